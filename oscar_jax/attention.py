@@ -1,0 +1,88 @@
+"""Public per-layer attention over the mixed cache, with backend dispatch (DESIGN §1.3).
+
+`attend(q, layer_cache, layer_params, implementation=...)`:
+  "xla"    the pure-jnp reference (`oscar_jax.reference`), any backend;
+  "pallas" the GPU Pallas kernel (Triton lowering);
+  "pallas_tpu" the TPU Pallas kernel;
+  "auto"   the best implementation for the default backend.
+An explicit request that cannot run raises; only "auto" chooses.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from oscar_jax import reference
+from oscar_jax.cache import LayerParams, OscarCache, RingCache
+
+AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+# Kernel implementations register here (name -> fn(q, cache, params, softmax_scale)).
+_IMPLEMENTATIONS: dict[str, AttendFn] = {"xla": reference.attend}
+_KNOWN = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu")
+# What "auto" tries per backend, best first.
+_AUTO_ORDER = {"gpu": ("pallas", "xla"), "tpu": ("pallas_tpu", "xla"), "cpu": ("xla",)}
+
+
+def register(name: str, fn: AttendFn) -> None:
+    """Make a kernel implementation available under `name` (one of the known names)."""
+    if name not in _KNOWN:
+        raise ValueError(f"implementation name {name!r}: expected one of {_KNOWN}")
+    _IMPLEMENTATIONS[name] = fn
+
+
+def available() -> tuple[str, ...]:
+    return tuple(_IMPLEMENTATIONS)
+
+
+def resolve(implementation: str = "auto", backend: str | None = None) -> str:
+    """The implementation `attend` will run for this request on `backend`."""
+    if implementation == "auto":
+        backend = backend or jax.default_backend()
+        for name in _AUTO_ORDER.get(backend, ("xla",)):
+            if name in _IMPLEMENTATIONS:
+                return name
+    if implementation not in _KNOWN:
+        raise ValueError(f"implementation={implementation!r}: expected 'auto' or one of {_KNOWN}")
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is not available in this build "
+            f"(available: {available()}); use implementation='auto' to let oscar-jax choose"
+        )
+    return implementation
+
+
+def _check_q(q: jax.Array, kv_heads: int, head_dim: int, batch: int) -> None:
+    if q.ndim != 4 or q.shape[0] != batch or q.shape[3] != head_dim or q.shape[2] % kv_heads:
+        raise ValueError(
+            f"q.shape={q.shape}: expected [B={batch}, C, Hq, D={head_dim}] with Hq a "
+            f"multiple of Hkv={kv_heads}"
+        )
+
+
+def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
+           implementation: str = "auto", softmax_scale: float | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+    """Attention of C new queries over one layer's mixed cache (tokens already appended).
+
+    q: [B, C, Hq, D] post-RoPE, unrotated. Returns o [B, C, Hq, D] (model basis
+    unless layer_params.v_folded) and lse float32 [B, C, Hq].
+    """
+    spec = layer_cache.spec
+    if layer_cache.is_stacked:
+        raise ValueError("attend takes a per-layer cache: use cache.layer(i) or lax.scan")
+    _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
+    if q.shape[1] > spec.window:
+        raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call")
+    fn = _IMPLEMENTATIONS[resolve(implementation)]
+    return fn(q, layer_cache, layer_params, softmax_scale=softmax_scale)
+
+
+def attend_window(q: jax.Array, ring: RingCache, *, softmax_scale: float | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Sliding-window attention over a ring layer (XLA): q [B, C, Hq, D] -> (o, lse)."""
+    spec = ring.spec
+    _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
+    return reference.attend_window(q, ring, softmax_scale)

@@ -1,0 +1,423 @@
+"""The mixed-precision KV state (DESIGN §3) and its pure update functions.
+
+`OscarCache` holds one layer group (e.g. all global-attention layers). Every
+array leaf carries the same leading axes: `[L, ...]` for the layer-stacked
+cache a decoder scans over, none for the per-layer view that `append`,
+`write_prompt` and `attend` take (`cache.layer(i)`, or `lax.scan` slices it).
+Per sequence, positions [0, S0) are in the bf16 sink, the last W positions in
+the bf16 recent ring (slot (p - S0) % W), and positions [S0, n - W) in the
+quantised history (history index p - S0). All segments hold ROTATED keys and
+values (k @ R_K, v @ R_V); rotation happens once, when a token enters.
+
+`RingCache` is the sliding-window layer group: a bf16 ring only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oscar_jax import quant
+from oscar_jax.config import CacheSpec, RingSpec
+from oscar_jax.config import bits_per_element as _bpe_formula
+from oscar_jax.pallas_kernels import layout
+
+STORE_DTYPE = jnp.bfloat16
+
+
+def _static():
+    return dataclasses.field(metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    """Per-layer OSCAR parameters ([L, ...] when stacked).
+
+    rot_k, rot_v: float32 [Hkv, D, D] (one rotation per KV head; a per-layer
+      rotation is broadcast over heads). clip_k, clip_v: float32 [] ratios.
+    v_folded: R_V^T is folded into the model's output projection, so attention
+      returns outputs in the rotated basis.
+    """
+
+    rot_k: jax.Array
+    rot_v: jax.Array
+    clip_k: jax.Array
+    clip_v: jax.Array
+    v_folded: bool = _static()
+
+    @classmethod
+    def create(cls, rot_k, rot_v, clip_k, clip_v, *, num_layers: int, kv_heads: int,
+               v_folded: bool = False) -> "LayerParams":
+        """Broadcast rotations ([D, D], [Hkv, D, D] or [L, Hkv, D, D]) and clips to a stack."""
+
+        def rot(r, name):
+            r = jnp.asarray(r, jnp.float32)
+            d = r.shape[-1]
+            if r.ndim < 2 or r.shape[-2] != d or r.ndim > 4:
+                raise ValueError(f"{name}.shape={r.shape}: expected [D, D], [Hkv, D, D] or [L, Hkv, D, D]")
+            return jnp.broadcast_to(r, (num_layers, kv_heads, d, d))
+
+        def clip(c, name):
+            c = jnp.asarray(c, jnp.float32)
+            if np.any(np.asarray(c) <= 0) or np.any(np.asarray(c) > 1):
+                raise ValueError(f"{name}={c}: expected clip ratios in (0, 1]")
+            return jnp.broadcast_to(c, (num_layers,))
+
+        return cls(rot(rot_k, "rot_k"), rot(rot_v, "rot_v"), clip(clip_k, "clip_k"),
+                   clip(clip_v, "clip_v"), v_folded)
+
+    def layer(self, i: int) -> "LayerParams":
+        return jax.tree.map(lambda x: x[i], self)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OscarCache:
+    """Layer-stacked mixed cache. Shapes for the stacked form (drop L per layer):
+
+    sink_k, sink_v:          bf16  [L, B, Hkv, S0, D]
+    hist_codes_k, _v:        uint8 [L, B, Hkv, T_hist/tpb, D]   (layout.pack_codes)
+    hist_lo_k, hist_scale_k: meta  [L, B, Hkv, D/G, tpb, T_hist/tpb] (layout.pack_meta)
+    recent_k, recent_v:      bf16  [L, B, Hkv, W, D]
+    lengths:                 int32 [L, B]  tokens held per sequence (same in every layer)
+    overflow:                bool  [L, B]  an append would have passed max_len (it was dropped)
+    """
+
+    sink_k: jax.Array
+    sink_v: jax.Array
+    hist_codes_k: jax.Array
+    hist_codes_v: jax.Array
+    hist_lo_k: jax.Array
+    hist_scale_k: jax.Array
+    hist_lo_v: jax.Array
+    hist_scale_v: jax.Array
+    recent_k: jax.Array
+    recent_v: jax.Array
+    lengths: jax.Array
+    overflow: jax.Array
+    spec: CacheSpec = _static()
+
+    @classmethod
+    def init(cls, spec: CacheSpec) -> "OscarCache":
+        """An empty layer-stacked cache (all lengths 0)."""
+        lb = (spec.num_layers, spec.batch, spec.kv_heads)
+        tpb = spec.quant.tokens_per_byte
+        rows = spec.hist_capacity // tpb
+        bf = lambda n: jnp.zeros((*lb, n, spec.head_dim), STORE_DTYPE)
+        meta = lambda: jnp.zeros((*lb, spec.num_groups, tpb, rows), spec.quant.jnp_scale_dtype)
+        codes = lambda: jnp.zeros((*lb, rows, spec.head_dim), jnp.uint8)
+        return cls(
+            sink_k=bf(spec.sink), sink_v=bf(spec.sink),
+            hist_codes_k=codes(), hist_codes_v=codes(),
+            hist_lo_k=meta(), hist_scale_k=meta(), hist_lo_v=meta(), hist_scale_v=meta(),
+            recent_k=bf(spec.window), recent_v=bf(spec.window),
+            lengths=jnp.zeros(lb[:2], jnp.int32), overflow=jnp.zeros(lb[:2], bool),
+            spec=spec,
+        )
+
+    @property
+    def is_stacked(self) -> bool:
+        return self.lengths.ndim == 2
+
+    def layer(self, i: int) -> "OscarCache":
+        return jax.tree.map(lambda x: x[i], self)
+
+    def with_layer(self, i: int, layer_cache: "OscarCache") -> "OscarCache":
+        return jax.tree.map(lambda s, x: s.at[i].set(x), self, layer_cache)
+
+    def hist(self, which: str) -> quant.Quantized:
+        """The packed history of 'k' or 'v' as a `Quantized` (packed layout)."""
+        return quant.Quantized(
+            codes=getattr(self, f"hist_codes_{which}"),
+            lo=getattr(self, f"hist_lo_{which}"),
+            scale=getattr(self, f"hist_scale_{which}"),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RingCache:
+    """Sliding-window layer group: k, v bf16 [L, B, Hkv, capacity, D] (position p in
+    slot p % capacity, unrotated); lengths int32 [L, B]. Queries attend to the last
+    `spec.window` positions; capacity - window + 1 bounds the extend chunk. A ring
+    never overflows: positions are unbounded."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    spec: RingSpec = _static()
+
+    @classmethod
+    def init(cls, spec: RingSpec) -> "RingCache":
+        shape = (spec.num_layers, spec.batch, spec.kv_heads, spec.capacity, spec.head_dim)
+        lb = (spec.num_layers, spec.batch)
+        return cls(jnp.zeros(shape, STORE_DTYPE), jnp.zeros(shape, STORE_DTYPE),
+                   jnp.zeros(lb, jnp.int32), spec)
+
+    def layer(self, i: int) -> "RingCache":
+        return jax.tree.map(lambda x: x[i], self)
+
+
+# ----------------------------------------------------------------------------
+# Positions
+
+
+def ring_positions(lengths: jax.Array, sink: int, window: int) -> jax.Array:
+    """Position held by each recent-ring slot: int32 [B, W]; -1 where the slot is empty.
+
+    Slot j holds the newest position p < n with (p - S0) % W == j and p >= max(S0, n - W).
+    """
+    n = lengths[:, None]
+    j = jnp.arange(window)[None, :]
+    p = n - 1 - jnp.mod(n - 1 - sink - j, window)
+    return jnp.where((p >= sink) & (p >= n - window), p, -1)
+
+
+def _check_append(spec_max_len: int, lengths: jax.Array, c: int) -> jax.Array:
+    """ok [B]: the append of c tokens fits; raise eagerly if lengths are concrete."""
+    ok = lengths + c <= spec_max_len
+    if not isinstance(lengths, jax.core.Tracer):
+        bad = np.nonzero(~np.asarray(ok))[0]
+        if bad.size:
+            raise ValueError(
+                f"append of C={c} tokens overflows max_len={spec_max_len} for batch rows "
+                f"{bad.tolist()} (lengths={np.asarray(lengths)[bad].tolist()})"
+            )
+    return ok
+
+
+def _rotate(x: jax.Array, rot: jax.Array) -> jax.Array:
+    """x [B, T, Hkv, D] (model layout), rot [Hkv, D, D] -> rotated f32 [B, Hkv, T, D]."""
+    return jnp.einsum("bthd,hde->bhte", x.astype(jnp.float32), rot,
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def _check_kv(name: str, x: jax.Array, b: int, h: int, d: int) -> None:
+    if x.ndim != 4 or x.shape[0] != b or x.shape[2] != h or x.shape[3] != d:
+        raise ValueError(f"{name}.shape={x.shape}: expected [B={b}, T, Hkv={h}, D={d}]")
+
+
+# ----------------------------------------------------------------------------
+# Writes into the quantised history
+
+
+def _write_history(codes, lo, scale, new: quant.Quantized, start, count, bits: int):
+    """Write token i < count of `new` at history index start + i, where that is >= 0.
+
+    One sequence: codes uint8 [H, R, D]; lo/scale [H, n_groups, tpb, R]; new is
+    unpacked (codes [H, C, D], lo/scale [H, C, n_groups]); start (may be negative)
+    and count are int32 scalars. Reads and rewrites a static window of rows, so
+    tokens that share a byte with older ones are merged exactly.
+    """
+    tpb = 8 // bits
+    rows = codes.shape[-2]
+    c = new.codes.shape[-2]
+    win = min(rows, c // tpb + 2)
+    r0 = jnp.clip(jnp.maximum(start, 0) // tpb, 0, rows - win)
+    old_codes = jax.lax.dynamic_slice_in_dim(codes, r0, win, axis=-2)
+    old_lo = jax.lax.dynamic_slice_in_dim(lo, r0, win, axis=-1)
+    old_scale = jax.lax.dynamic_slice_in_dim(scale, r0, win, axis=-1)
+    t = r0 * tpb + jnp.arange(win * tpb)  # history index of each token in the window
+    src = t - start
+    take = (src >= 0) & (src < count)
+    src = jnp.clip(src, 0, c - 1)
+
+    def merge(old_tokens, new_tokens, axis):
+        picked = jnp.take(new_tokens, src, axis=axis)
+        shape = [1] * picked.ndim
+        shape[axis] = -1
+        return jnp.where(take.reshape(shape), picked, old_tokens)
+
+    m_codes = merge(layout.unpack_codes(old_codes, bits), new.codes, -2)
+    m_lo = merge(layout.unpack_meta(old_lo, bits), new.lo, -2)
+    m_scale = merge(layout.unpack_meta(old_scale, bits), new.scale, -2)
+    codes = jax.lax.dynamic_update_slice_in_dim(codes, layout.pack_codes(m_codes, bits), r0, axis=-2)
+    lo = jax.lax.dynamic_update_slice_in_dim(lo, layout.pack_meta(m_lo, bits), r0, axis=-1)
+    scale = jax.lax.dynamic_update_slice_in_dim(scale, layout.pack_meta(m_scale, bits), r0, axis=-1)
+    return codes, lo, scale
+
+
+# ----------------------------------------------------------------------------
+# Public updates (per-layer view)
+
+
+def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -> OscarCache:
+    """Append C new tokens to every sequence of one layer's cache.
+
+    k, v: [B, C, Hkv, D] post-RoPE, unrotated, C <= W. The tokens are rotated on
+    entry; the C oldest recent tokens that leave the ring are quantised into the
+    history. A row whose lengths + C would pass max_len raises outside jit; inside
+    jit it is left unchanged and its `overflow` flag is set.
+    """
+    spec = cache.spec
+    if cache.is_stacked:
+        raise ValueError("append takes a per-layer cache: use cache.layer(i) or lax.scan")
+    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
+    _check_kv("k", k, b, h, d)
+    _check_kv("v", v, b, h, d)
+    c = k.shape[1]
+    if v.shape != k.shape:
+        raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
+    if c > spec.window:
+        raise ValueError(f"chunk C={c} must be <= window W={spec.window}")
+    s0, w, bits = spec.sink, spec.window, spec.quant.bits
+    n = cache.lengths
+    ok = _check_append(spec.max_len, n, c)
+    pos = n[:, None] + jnp.arange(c)[None, :]  # [B, C]
+
+    def update(which, x, rot, clip):
+        x_rot = _rotate(x, rot).astype(STORE_DTYPE)  # [B, H, C, D]
+        sink = getattr(cache, f"sink_{which}")
+        ring = getattr(cache, f"recent_{which}")
+        bidx = jnp.arange(b)[:, None]
+        # Tokens leaving the ring: slot of new position p held position p - W.
+        slot = jnp.mod(pos - s0, w)
+        evicted = ring[bidx, :, slot]  # [B, C, H, D]
+        evicted = jnp.moveaxis(evicted, 1, 2)  # [B, H, C, D]
+        q = quant.quantize(evicted, spec.quant, clip)
+        # New token i evicts history index n + i - W - S0 (kept where >= 0).
+        start = n - w - s0
+        count = jnp.where(ok, c, 0)
+        codes, lo, scale = jax.vmap(functools.partial(_write_history, bits=bits))(
+            getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
+            getattr(cache, f"hist_scale_{which}"), q, start, count)
+        in_sink = (pos < s0) & ok[:, None]
+        sink = sink.at[bidx, :, jnp.where(in_sink, pos, s0)].set(
+            jnp.moveaxis(x_rot, 2, 1), mode="drop")
+        in_ring = (pos >= s0) & ok[:, None]
+        ring = ring.at[bidx, :, jnp.where(in_ring, slot, w)].set(
+            jnp.moveaxis(x_rot, 2, 1), mode="drop")
+        return {f"sink_{which}": sink, f"recent_{which}": ring, f"hist_codes_{which}": codes,
+                f"hist_lo_{which}": lo, f"hist_scale_{which}": scale}
+
+    updates = {**update("k", k, params.rot_k, params.clip_k),
+               **update("v", v, params.rot_v, params.clip_v)}
+    return dataclasses.replace(
+        cache, **updates, lengths=jnp.where(ok, n + c, n), overflow=cache.overflow | ~ok)
+
+
+def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: jax.Array,
+                 params: LayerParams) -> OscarCache:
+    """Bulk write of whole prompts into one layer's cache (replaces its contents).
+
+    k, v: [B, T, Hkv, D] post-RoPE, unrotated; prompt_lengths: int32 [B] <= T.
+    Row b ends up holding positions [0, prompt_lengths[b]): the sink, the quantised
+    history [S0, n - W) and the recent ring. Rows longer than max_len raise outside
+    jit; inside jit they are emptied and flagged in `overflow`.
+    """
+    spec = cache.spec
+    if cache.is_stacked:
+        raise ValueError("write_prompt takes a per-layer cache: use cache.layer(i) or lax.scan")
+    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
+    _check_kv("k", k, b, h, d)
+    _check_kv("v", v, b, h, d)
+    if v.shape != k.shape:
+        raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
+    t = k.shape[1]
+    n = jnp.asarray(prompt_lengths, jnp.int32)
+    if n.shape != (b,):
+        raise ValueError(f"prompt_lengths.shape={n.shape}: expected [B={b}]")
+    if not isinstance(n, jax.core.Tracer) and (np.any(np.asarray(n) > t) or np.any(np.asarray(n) < 0)):
+        raise ValueError(f"prompt_lengths={np.asarray(n).tolist()} must lie in [0, T={t}]")
+    ok = _check_append(spec.max_len, n, 0)
+    n = jnp.where(ok, n, 0)
+    s0, w, bits, tpb = spec.sink, spec.window, spec.quant.bits, spec.quant.tokens_per_byte
+    n_hist = min(max(t - s0, 0), spec.hist_capacity)
+    n_hist = -(-n_hist // tpb) * tpb
+    ring_pos = ring_positions(n, s0, w)  # [B, W]
+
+    def fit(x, start, size):  # x [B, H, T, D] -> [B, H, size, D], zero-padded past T
+        x = x[:, :, start:start + size]
+        return jnp.pad(x, ((0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)))
+
+    def update(which, x, rot, clip):
+        x_rot = _rotate(x, rot)  # [B, H, T, D] f32
+        sink = fit(x_rot, 0, s0).astype(STORE_DTYPE)
+        ring = jnp.take_along_axis(x_rot, jnp.maximum(ring_pos, 0)[:, None, :, None], axis=2)
+        ring = jnp.where((ring_pos >= 0)[:, None, :, None], ring, 0).astype(STORE_DTYPE)
+        hist = cache.hist(which)
+        if n_hist:
+            q = quant.pack(quant.quantize(fit(x_rot, s0, n_hist).astype(STORE_DTYPE),
+                                          spec.quant, clip), bits)
+            hist = quant.Quantized(
+                codes=jax.lax.dynamic_update_slice_in_dim(hist.codes, q.codes, 0, axis=-2),
+                lo=jax.lax.dynamic_update_slice_in_dim(hist.lo, q.lo, 0, axis=-1),
+                scale=jax.lax.dynamic_update_slice_in_dim(hist.scale, q.scale, 0, axis=-1))
+        return {f"sink_{which}": sink, f"recent_{which}": ring, f"hist_codes_{which}": hist.codes,
+                f"hist_lo_{which}": hist.lo, f"hist_scale_{which}": hist.scale}
+
+    updates = {**update("k", k, params.rot_k, params.clip_k),
+               **update("v", v, params.rot_v, params.clip_v)}
+    return dataclasses.replace(cache, **updates, lengths=n, overflow=~ok)
+
+
+def dense_view(cache: OscarCache) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Dequantised contents by position (rotated basis), for tests and the reference.
+
+    Returns k, v: float32 [B, Hkv, P, D] with P = S0 + T_hist + W, and
+    valid: bool [B, P] (position < length). Positions not held are arbitrary.
+    """
+    spec = cache.spec
+    s0, w = spec.sink, spec.window
+
+    def one(which):
+        hist = quant.dequantize(quant.unpack(cache.hist(which), spec.quant.bits), spec.quant)
+        sink = getattr(cache, f"sink_{which}").astype(jnp.float32)
+        dense = jnp.concatenate(
+            [sink, hist, jnp.zeros(sink.shape[:2] + (w, spec.head_dim), jnp.float32)], axis=2)
+        pos = ring_positions(cache.lengths, s0, w)  # [B, W]
+        p_max = dense.shape[2]
+        bidx = jnp.arange(spec.batch)[:, None]
+        ring = jnp.moveaxis(getattr(cache, f"recent_{which}").astype(jnp.float32), 2, 1)
+        return dense.at[bidx, :, jnp.where(pos >= 0, pos, p_max)].set(ring, mode="drop")
+
+    p = s0 + spec.hist_capacity + w
+    valid = jnp.arange(p)[None, :] < cache.lengths[:, None]
+    return one("k"), one("v"), valid
+
+
+def nbytes(cache) -> int:
+    """Bytes allocated by the cache's arrays (all layers, full capacity)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def bits_per_element(cache: OscarCache) -> float:
+    """Stored bits per K/V element at the current lengths (DESIGN §1.2 formula),
+    averaged over the batch's held tokens; metadata and bf16 segments included."""
+    lengths = np.asarray(cache.lengths).reshape(-1, cache.spec.batch)[0]
+    held = [(int(n), _bpe_formula(cache.spec, int(n))) for n in lengths if n > 0]
+    if not held:
+        raise ValueError("bits_per_element: the cache holds no tokens")
+    return sum(n * bpe for n, bpe in held) / sum(n for n, _ in held)
+
+
+def ring_append(cache: RingCache, k: jax.Array, v: jax.Array) -> RingCache:
+    """Append C tokens (k, v: [B, C, Hkv, D], unrotated) to one sliding-window layer."""
+    spec = cache.spec
+    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
+    _check_kv("k", k, b, h, d)
+    _check_kv("v", v, b, h, d)
+    c = k.shape[1]
+    if c > spec.max_chunk:
+        raise ValueError(
+            f"chunk C={c} must be <= capacity - window + 1 = {spec.max_chunk} "
+            f"(raise RingSpec.capacity for longer extend chunks)")
+    n = cache.lengths
+    pos = n[:, None] + jnp.arange(c)[None, :]
+    bidx = jnp.arange(b)[:, None]
+    slot = jnp.mod(pos, spec.capacity)
+    put = lambda ring, x: ring.at[bidx, :, slot].set(x.astype(STORE_DTYPE))
+    return dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v), lengths=n + c)
+
+
+def ring_slot_positions(lengths: jax.Array, capacity: int) -> jax.Array:
+    """Position held by each slot of a plain ring (slot p % capacity): int32 [B, capacity], -1 if empty."""
+    n = lengths[:, None]
+    j = jnp.arange(capacity)[None, :]
+    p = n - 1 - jnp.mod(n - 1 - j, capacity)
+    return jnp.where(p >= 0, p, -1)

@@ -1,0 +1,111 @@
+"""Pure-jnp attention over the mixed cache: the oracle every kernel is tested against.
+
+Contract (DESIGN §1.3): the C new tokens have ALREADY been appended, so with
+n = lengths, query c sits at position n - C + c and attends causally to the sink
+(bf16) ++ dequantised history ++ recent ring (bf16). Each segment yields a
+normalised partial output and its log-sum-exp; `merge_partials` combines them
+exactly. Computed in float32 at HIGHEST precision.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from oscar_jax import quant
+from oscar_jax.cache import LayerParams, OscarCache, RingCache, ring_positions, ring_slot_positions
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def merge_partials(outs: list[jax.Array], lses: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Merge normalised partial attentions: o_i [..., D], lse_i [...] -> (o, lse).
+
+    A segment with no visible key has lse = -inf and contributes nothing.
+    """
+    lse = jnp.stack(lses)
+    total = jax.nn.logsumexp(lse, axis=0)
+    safe_total = jnp.where(jnp.isfinite(total), total, 0.0)
+    w = jnp.exp(lse - safe_total)  # [S, ...]
+    o = sum(w[i][..., None] * outs[i] for i in range(len(outs)))
+    return o, total
+
+
+def segment_attention(q, k, v, mask, softmax_scale):
+    """One segment. q [B, H, g, C, D]; k, v [B, H, S, D]; mask bool [B, C, S].
+
+    Returns o [B, H, g, C, D] (normalised within the segment) and lse [B, H, g, C].
+    """
+    s = jnp.einsum("bhgcd,bhsd->bhgcs", q, k, precision=_HI) * softmax_scale
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    o = jnp.einsum("bhgcs,bhsd->bhgcd", p, v, precision=_HI)
+    return o, lse
+
+
+def _split_heads(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q [B, C, Hq, D] -> [B, Hkv, g, C, D]; query head i uses KV head i // g."""
+    b, c, hq, d = q.shape
+    return jnp.moveaxis(q.reshape(b, c, kv_heads, hq // kv_heads, d), 1, 3)
+
+
+def _merge_heads(o: jax.Array) -> jax.Array:
+    """[B, Hkv, g, C, D] -> [B, C, Hq, D]."""
+    b, h, g, c, d = o.shape
+    return jnp.moveaxis(o, 3, 1).reshape(b, c, h * g, d)
+
+
+def query_positions(lengths: jax.Array, c: int) -> jax.Array:
+    """int32 [B, C]: position of each new query (the C newest tokens)."""
+    return lengths[:, None] - c + jnp.arange(c)[None, :]
+
+
+def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
+           softmax_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """q: [B, C, Hq, D] post-RoPE, unrotated -> (o [B, C, Hq, D] in q.dtype, lse f32 [B, C, Hq]).
+
+    o is in the model's basis unless params.v_folded (then in the R_V basis).
+    """
+    spec = cache.spec
+    c, d = q.shape[1], q.shape[3]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    n = cache.lengths
+    qp = query_positions(n, c)  # [B, C]
+    qr = jnp.einsum("bhgcd,hde->bhgce", _split_heads(q.astype(jnp.float32), spec.kv_heads),
+                    params.rot_k, precision=_HI)
+
+    s0, w = spec.sink, spec.window
+    f32 = lambda x: x.astype(jnp.float32)
+    segments = []
+    sink_pos = jnp.arange(s0)[None, None, :]
+    segments.append((cache.sink_k, cache.sink_v, (sink_pos < n[:, None, None]) & (sink_pos <= qp[..., None])))
+    if spec.hist_capacity:
+        hist_pos = s0 + jnp.arange(spec.hist_capacity)[None, None, :]
+        deq = lambda which: quant.dequantize(quant.unpack(cache.hist(which), spec.quant.bits), spec.quant)
+        segments.append((deq("k"), deq("v"), (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None])))
+    rpos = ring_positions(n, s0, w)[:, None, :]
+    segments.append((cache.recent_k, cache.recent_v, (rpos >= 0) & (rpos <= qp[..., None])))
+
+    outs, lses = zip(*(segment_attention(qr, f32(k), f32(v), m, scale) for k, v, m in segments))
+    o, lse = merge_partials(list(outs), list(lses))
+    if not params.v_folded:
+        o = jnp.einsum("bhgce,hde->bhgcd", o, params.rot_v, precision=_HI)
+    return _merge_heads(o).astype(q.dtype), jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])
+
+
+def attend_window(q: jax.Array, cache: RingCache,
+                  softmax_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """Sliding-window attention over a ring layer: query p sees positions (p - window, p].
+
+    q: [B, C, Hq, D] -> (o [B, C, Hq, D], lse f32 [B, C, Hq]).
+    """
+    spec = cache.spec
+    c, d = q.shape[1], q.shape[3]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    qp = query_positions(cache.lengths, c)[..., None]  # [B, C, 1]
+    kp = ring_slot_positions(cache.lengths, spec.capacity)[:, None, :]  # [B, 1, cap]
+    mask = (kp >= 0) & (kp <= qp) & (kp > qp - spec.window)
+    o, lse = segment_attention(_split_heads(q.astype(jnp.float32), spec.kv_heads),
+                               cache.k.astype(jnp.float32), cache.v.astype(jnp.float32), mask, scale)
+    return _merge_heads(o).astype(q.dtype), jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])

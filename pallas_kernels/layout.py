@@ -1,0 +1,73 @@
+"""The packed layout of the quantised KV history (DESIGN §3), in plain jnp.
+
+Codes are packed along TOKENS, channels stay on the last (lane) axis:
+with `tpb = 8 // bits` tokens per byte, byte (i, c) holds channel c of tokens
+tpb*i .. tpb*i + tpb - 1, token tpb*i + s in bits [bits*s, bits*(s+1)).
+Unpacking one byte row therefore yields `tpb` token slices of shape [R, D]
+(slice s = tokens tpb*i + s), each a plain shift-and-mask of the packed tile.
+
+Per-token, per-group metadata (lo, scale) is stored as [..., n_groups, tpb, R]
+so that index [g, s, i] is token tpb*i + s: each unpacked slice reads its
+metadata contiguously.
+
+This module is the single definition of the layout: `oscar_jax.quant` and
+every kernel import it, and kernels import nothing else of ours.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+_VALID_BITS = (2, 4, 8)
+
+
+def tokens_per_byte(bits: int) -> int:
+    if bits not in _VALID_BITS:
+        raise ValueError(f"bits={bits!r}: expected one of {_VALID_BITS}")
+    return 8 // bits
+
+
+def pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """codes: uint8 [..., T, D] with values < 2**bits -> packed uint8 [..., T/tpb, D]."""
+    tpb = tokens_per_byte(bits)
+    *lead, t, d = codes.shape
+    if t % tpb:
+        raise ValueError(f"token axis T={t} must be a multiple of {tpb=} for {bits=}")
+    slices = codes.astype(jnp.uint8).reshape(*lead, t // tpb, tpb, d)
+    packed = jnp.zeros((*lead, t // tpb, d), jnp.uint8)
+    for s in range(tpb):
+        packed = packed | (slices[..., s, :] << (bits * s)).astype(jnp.uint8)
+    return packed
+
+
+def unpack_slices(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """packed uint8 [..., R, D] -> codes uint8 [tpb, ..., R, D]; slice s = tokens tpb*i+s."""
+    tpb = tokens_per_byte(bits)
+    mask = jnp.uint8((1 << bits) - 1)
+    return jnp.stack([(packed >> (bits * s)) & mask for s in range(tpb)])
+
+
+def unpack_codes(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """packed uint8 [..., R, D] -> codes uint8 [..., R*tpb, D] in token order."""
+    tpb = tokens_per_byte(bits)
+    *lead, r, d = packed.shape
+    slices = unpack_slices(packed, bits)  # [tpb, ..., R, D]
+    return jnp.moveaxis(slices, 0, -2).reshape(*lead, r * tpb, d)
+
+
+def pack_meta(meta: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """meta [..., T, n_groups] -> [..., n_groups, tpb, T/tpb] (index [g, s, i] = token tpb*i+s)."""
+    tpb = tokens_per_byte(bits)
+    *lead, t, g = meta.shape
+    if t % tpb:
+        raise ValueError(f"token axis T={t} must be a multiple of {tpb=} for {bits=}")
+    x = meta.reshape(*lead, t // tpb, tpb, g)
+    return jnp.moveaxis(x, (-3, -2, -1), (-1, -2, -3))
+
+
+def unpack_meta(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """[..., n_groups, tpb, R] -> meta [..., R*tpb, n_groups] in token order."""
+    tokens_per_byte(bits)
+    *lead, g, tpb, r = packed.shape
+    x = jnp.moveaxis(packed, (-1, -2, -3), (-3, -2, -1))  # [..., R, tpb, g]
+    return x.reshape(*lead, r * tpb, g)
