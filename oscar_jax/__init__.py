@@ -15,6 +15,7 @@ from oscar_jax.cache import (
     dense_view,
     nbytes,
     ring_append,
+    ring_write_prompt,
     write_prompt,
 )
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
@@ -23,6 +24,6 @@ from oscar_jax.quant import Quantized, dequantize, quantize
 __all__ = [
     "CacheSpec", "QuantConfig", "RingSpec", "Quantized", "quantize", "dequantize",
     "LayerParams", "OscarCache", "RingCache", "append", "write_prompt", "ring_append",
-    "dense_view", "nbytes", "bits_per_element", "attend", "attend_window",
+    "dense_view", "nbytes", "bits_per_element", "attend", "attend_window", "ring_write_prompt",
 ]
 __version__ = "0.1.0"

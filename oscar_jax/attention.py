@@ -16,33 +16,37 @@ import jax
 
 from oscar_jax import reference
 from oscar_jax.cache import LayerParams, OscarCache, RingCache
+from oscar_jax.config import CacheSpec
 
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
+SupportsFn = Callable[[CacheSpec], bool]
 
-# Kernel implementations register here (name -> fn(q, cache, params, softmax_scale)).
-_IMPLEMENTATIONS: dict[str, AttendFn] = {"xla": reference.attend}
+# Kernel implementations register here: name -> (fn(q, cache, params, softmax_scale=...),
+# supports(spec) -> bool for the cache configurations the kernel handles).
+_IMPLEMENTATIONS: dict[str, tuple[AttendFn, SupportsFn]] = {
+    "xla": (reference.attend, lambda spec: True)}
 _KNOWN = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu")
 # What "auto" tries per backend, best first.
 _AUTO_ORDER = {"gpu": ("pallas", "xla"), "tpu": ("pallas_tpu", "xla"), "cpu": ("xla",)}
 
 
-def register(name: str, fn: AttendFn) -> None:
+def register(name: str, fn: AttendFn, supports: SupportsFn = lambda spec: True) -> None:
     """Make a kernel implementation available under `name` (one of the known names)."""
     if name not in _KNOWN:
         raise ValueError(f"implementation name {name!r}: expected one of {_KNOWN}")
-    _IMPLEMENTATIONS[name] = fn
+    _IMPLEMENTATIONS[name] = (fn, supports)
 
 
 def available() -> tuple[str, ...]:
     return tuple(_IMPLEMENTATIONS)
 
 
-def resolve(implementation: str = "auto", backend: str | None = None) -> str:
-    """The implementation `attend` will run for this request on `backend`."""
+def resolve(implementation: str, spec: CacheSpec, backend: str | None = None) -> str:
+    """The implementation `attend` runs for this request, cache spec and backend."""
     if implementation == "auto":
         backend = backend or jax.default_backend()
         for name in _AUTO_ORDER.get(backend, ("xla",)):
-            if name in _IMPLEMENTATIONS:
+            if name in _IMPLEMENTATIONS and _IMPLEMENTATIONS[name][1](spec):
                 return name
     if implementation not in _KNOWN:
         raise ValueError(f"implementation={implementation!r}: expected 'auto' or one of {_KNOWN}")
@@ -50,6 +54,11 @@ def resolve(implementation: str = "auto", backend: str | None = None) -> str:
         raise ValueError(
             f"implementation={implementation!r} is not available in this build "
             f"(available: {available()}); use implementation='auto' to let oscar-jax choose"
+        )
+    if not _IMPLEMENTATIONS[implementation][1](spec):
+        raise ValueError(
+            f"implementation={implementation!r} does not support this cache ({spec.quant}); "
+            f"use implementation='xla' or 'auto'"
         )
     return implementation
 
@@ -76,7 +85,7 @@ def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
     _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
     if q.shape[1] > spec.window:
         raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call")
-    fn = _IMPLEMENTATIONS[resolve(implementation)]
+    fn, _ = _IMPLEMENTATIONS[resolve(implementation, spec)]
     return fn(q, layer_cache, layer_params, softmax_scale=softmax_scale)
 
 

@@ -421,3 +421,25 @@ def ring_slot_positions(lengths: jax.Array, capacity: int) -> jax.Array:
     j = jnp.arange(capacity)[None, :]
     p = n - 1 - jnp.mod(n - 1 - j, capacity)
     return jnp.where(p >= 0, p, -1)
+
+
+def ring_write_prompt(cache: RingCache, k: jax.Array, v: jax.Array,
+                      prompt_lengths: jax.Array) -> RingCache:
+    """Bulk write of whole prompts into one sliding-window layer (replaces its contents).
+
+    k, v: [B, T, Hkv, D]; prompt_lengths: int32 [B] <= T. Keeps the last
+    `capacity` positions of each prompt.
+    """
+    spec = cache.spec
+    _check_kv("k", k, spec.batch, spec.kv_heads, spec.head_dim)
+    _check_kv("v", v, spec.batch, spec.kv_heads, spec.head_dim)
+    n = jnp.asarray(prompt_lengths, jnp.int32)
+    if n.shape != (spec.batch,):
+        raise ValueError(f"prompt_lengths.shape={n.shape}: expected [B={spec.batch}]")
+    pos = ring_slot_positions(n, spec.capacity)  # [B, capacity]
+
+    def gather(x):  # [B, T, H, D] -> [B, H, capacity, D]
+        g = jnp.take_along_axis(x, jnp.maximum(pos, 0)[:, :, None, None], axis=1)
+        return jnp.moveaxis(jnp.where((pos >= 0)[:, :, None, None], g, 0), 1, 2).astype(STORE_DTYPE)
+
+    return dataclasses.replace(cache, k=gather(k), v=gather(v), lengths=n)
