@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from oscar_jax import reference
 from oscar_jax.cache import LayerParams, OscarCache, RingCache
@@ -61,6 +62,42 @@ def resolve(implementation: str, spec: CacheSpec, backend: str | None = None) ->
             f"use implementation='xla' or 'auto'"
         )
     return implementation
+
+
+def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendFn:
+    """Adapt a plain-array kernel to `attend`'s signature.
+
+    The kernel sees rotated queries and returns outputs in the R_V basis:
+      kernel(q_rot f32 [B, C, Hq, D], sink_k, sink_v bf16 [B, Hkv, S0, D],
+             hist_codes_k, hist_codes_v u8 [B, Hkv, T_hist/tpb, D],
+             hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v [B, Hkv, D/G, tpb, T_hist/tpb],
+             recent_k, recent_v bf16 [B, Hkv, W, D], lengths int32 [B], *,
+             sink, window, bits, levels, softmax_scale, interpret)
+        -> (o_rot f32 [B, C, Hq, D], lse f32 [B, C, Hq])
+    `interpret` is True when running on CPU (tests); q rotation and the R_V^T
+    back-rotation happen here, in XLA.
+    """
+
+    def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None):
+        spec = cache.spec
+        hi = jax.lax.Precision.HIGHEST
+        g = q.shape[2] // spec.kv_heads
+        rot_k = jnp.repeat(params.rot_k, g, axis=0)  # [Hq, D, D]
+        q_rot = jnp.einsum("bchd,hde->bche", q.astype(jnp.float32), rot_k, precision=hi)
+        o_rot, lse = kernel(
+            q_rot, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
+            cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
+            cache.recent_k, cache.recent_v, cache.lengths,
+            sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,
+            softmax_scale=spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale,
+            interpret=jax.default_backend() == "cpu",
+        )
+        if not params.v_folded:
+            rot_v = jnp.repeat(params.rot_v, g, axis=0)
+            o_rot = jnp.einsum("bche,hde->bchd", o_rot, rot_v, precision=hi)
+        return o_rot.astype(q.dtype), lse
+
+    return fn
 
 
 def _check_q(q: jax.Array, kv_heads: int, head_dim: int, batch: int) -> None:
