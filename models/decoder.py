@@ -1,0 +1,241 @@
+"""One Flax NNX decoder for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/3)
+and Gemma 3, with config-driven variation (`ModelConfig`).
+
+Weights are stacked over layers ([L, ...]) and the forward scans over blocks of
+`cfg.layer_period` layers (1 for Llama, 6 for Gemma 3: 5 sliding + 1 global),
+so compile time does not grow with depth. The KV cache is never module state:
+it is an explicit `KVState` argument and return value (see `kv_policy`).
+
+Projection weights are stored as `x @ W` ([in, out]); norm weights as the
+effective multiplier (Gemma's `1 + w` already added).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from oscar_jax.models import kv_policy
+from oscar_jax.models.config import LayerType, ModelConfig
+
+Mode = Literal["forward", "prefill", "step"]
+_KINDS: tuple[LayerType, ...] = ("full_attention", "sliding_attention")
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer parameter shapes (without the leading L) of `LayerStack`."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = {"attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
+              "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
+    if cfg.attention_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(d,), k_norm=(d,))
+    if cfg.post_norms:
+        shapes.update(post_attn_norm=(h,), post_mlp_norm=(h,))
+    return shapes
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm")
+
+
+class LayerStack(nnx.Module):
+    """All layers' weights, stacked: each parameter is [L, *layer_param_shapes[name]]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        for name, shape in layer_param_shapes(cfg).items():
+            full = (cfg.num_layers, *shape)
+            if _is_norm(name):
+                value = jnp.ones(full, dtype)
+            elif name.startswith("b"):
+                value = jnp.zeros(full, dtype)
+            else:
+                value = (0.02 * jax.random.normal(rngs.params(), full, jnp.float32)).astype(dtype)
+            setattr(self, name, nnx.Param(value))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in vars(self) if isinstance(getattr(self, name), nnx.Param)}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., N] normalised in float32 and scaled by weight [N]; returns x.dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (transformers' layout). x [B, T, H, D], positions int32 [B, T]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+def causal_attention(q, k, v, lengths, *, softmax_scale: float, window: int | None):
+    """Full-precision attention over a whole (right-padded) prompt.
+
+    q [B, T, Hq, D], k, v [B, T, Hkv, D], lengths int32 [B]: query t sees keys
+    s <= t with s < lengths[b] (and t - s < window for sliding layers).
+    Returns o [B, T, Hq, D].
+    """
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=softmax_scale, is_causal=True, key_value_seq_lengths=lengths,
+        local_window_size=None if window is None else (window - 1, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """Per-layer activations of a forward, layer-stacked: q [L, B, T, Hq, D],
+    k, v [L, B, T, Hkv, D], post-RoPE (and post qk-norm), in the model's basis."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+
+
+jax.tree_util.register_dataclass(Captured, data_fields=["q", "k", "v"], meta_fields=[])
+
+
+class Decoder(nnx.Module):
+    """Token ids -> hidden states -> logits, with the KV cache passed explicitly.
+
+    embed [V, H]; layers: `LayerStack`; final_norm [H]; lm_head [H, V] or None (tied).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.embed = nnx.Param((0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(dtype))
+        self.layers = LayerStack(cfg, rngs=rngs, dtype=dtype)
+        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(
+            (0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size))).astype(dtype))
+
+    # ------------------------------------------------------------------ heads
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens int32 [B, T] -> hidden [B, T, H] (Gemma multiplies by sqrt(H))."""
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(np.sqrt(self.cfg.hidden_size), jnp.float32).astype(x.dtype)
+        return x
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final norm + LM head: hidden [..., H] -> float32 logits [..., V]."""
+        h = rms_norm(hidden, self.final_norm[...], self.cfg.rms_eps)
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.dot(h, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+
+    # ------------------------------------------------------------------ body
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, *, mode: Mode = "forward",
+                 kv: kv_policy.KVState | None = None, lengths: jax.Array | None = None,
+                 capture_qkv: bool = False):
+        """Run the layers.
+
+        tokens, positions: int32 [B, T]. mode:
+          "forward": full-precision causal attention over the prompt (`lengths` [B]
+             masks right padding; defaults to T); no cache.
+          "prefill": the same attention, then one bulk write of each layer's
+             post-RoPE k, v into `kv` (replacing its contents).
+          "step":    extend/decode: append the T new tokens to `kv` FIRST, then
+             attend over the cache (T <= the policy's chunk limit).
+        Returns (hidden [B, T, H], kv or None, Captured or None). With
+        capture_qkv, Captured holds every layer's post-RoPE q, k, v.
+        """
+        cfg = self.cfg
+        b, t = tokens.shape
+        if mode != "forward" and kv is None:
+            raise ValueError(f"mode={mode!r} needs a KVState (kv=...)")
+        if lengths is None:
+            lengths = jnp.full((b,), t, jnp.int32)
+        x = self.embed_tokens(tokens)
+        p = cfg.layer_period
+        n_blocks = cfg.num_layers // p
+        block_kinds = cfg.layer_types[:p]
+        weights = jax.tree.map(lambda w: w.reshape(n_blocks, p, *w.shape[1:]), self.layers.arrays())
+        inv_freq = {kind: jnp.asarray(cfg.inv_freq(kind), jnp.float32) for kind in _KINDS}
+
+        def block(carry, xs):
+            x, groups = carry
+            block_w, j = xs
+            caps = []
+            seen = {kind: 0 for kind in _KINDS}
+            for m, kind in enumerate(block_kinds):
+                w = jax.tree.map(lambda a: a[m], block_w)
+                idx = j * block_kinds.count(kind) + seen[kind]
+                seen[kind] += 1
+                layer_kv = None if groups is None else kv_policy.layer_view(groups, kind, idx)
+                x, layer_kv, cap = self._layer(w, kind, x, positions, inv_freq[kind], mode, layer_kv, lengths)
+                if groups is not None:
+                    groups = kv_policy.layer_update(groups, kind, idx, layer_kv)
+                caps.append(cap)
+            stacked = jax.tree.map(lambda *a: jnp.stack(a), *caps) if capture_qkv else None
+            return (x, groups), stacked
+
+        groups = None if kv is None else kv.groups
+        (x, groups), caps = jax.lax.scan(block, (x, groups), (weights, jnp.arange(n_blocks)))
+        captured = None
+        if capture_qkv:
+            captured = Captured(*(a.reshape(cfg.num_layers, *a.shape[2:]) for a in caps))
+        new_kv = None
+        if kv is not None:
+            new_len = lengths if mode == "prefill" else kv.lengths + t
+            new_kv = dataclasses.replace(kv, groups=groups, lengths=new_len)
+        return x, new_kv, captured
+
+    def _layer(self, w, kind: LayerType, x, positions, inv_freq, mode: Mode, layer_kv, lengths):
+        """One decoder layer: x [B, T, H] -> (x, layer_kv, (q, k, v))."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        hi = jax.lax.Precision.HIGHEST
+        mm = lambda a, m: jnp.dot(a, m, precision=hi)
+        h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
+        q, k, v = mm(h, w["wq"]), mm(h, w["wk"]), mm(h, w["wv"])
+        if cfg.attention_bias:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        q, k, v = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        window = cfg.sliding_window if kind == "sliding_attention" else None
+        if mode == "step":
+            o, layer_kv = kv_policy.append_attend(layer_kv, q, k, v, softmax_scale=cfg.softmax_scale)
+        else:
+            o = causal_attention(q, k, v, lengths, softmax_scale=cfg.softmax_scale, window=window)
+            if mode == "prefill":
+                layer_kv = kv_policy.write_prompt(layer_kv, k, v, lengths)
+        o = mm(o.reshape(b, t, hq * d).astype(x.dtype), w["wo"])
+        if cfg.post_norms:
+            o = rms_norm(o, w["post_attn_norm"], cfg.rms_eps)
+        x = x + o
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
+        gate = mm(h, w["w_gate"])
+        act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+        m = mm(act * mm(h, w["w_up"]), w["w_down"])
+        if cfg.post_norms:
+            m = rms_norm(m, w["post_mlp_norm"], cfg.rms_eps)
+        return x + m, layer_kv, (q, k, v)
+
+
+def forward_logits(model: Decoder, tokens: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+    """Full-sequence forward: tokens int32 [B, T] -> float32 logits [B, T, V]."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    hidden, _, _ = model(tokens, positions, mode="forward", lengths=lengths)
+    return model.logits(hidden)
+
+
+def abstract_decoder(cfg: ModelConfig, dtype=jnp.float32) -> Decoder:
+    """The model's structure with ShapeDtypeStruct leaves (no memory), for loaders."""
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype))

@@ -1,0 +1,62 @@
+"""Load a decoder from a GGUF file (llama.cpp format) with the `gguf` package.
+
+Every tensor is dequantised to float32 (the full-precision baseline of a 4-bit
+GGUF). Dequantising Gemma 3's 262K-row embedding takes ~20 s on two CPU
+cores, so the float32 tensors are cached as one safetensors file under
+`cache_dir()` (keyed by the GGUF's name, size and mtime) and memory-mapped on
+later loads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oscar_jax.models.config import ModelConfig
+from oscar_jax.models.decoder import Decoder
+from oscar_jax.models.weights import build_decoder
+
+
+def cache_dir() -> Path:
+    """Where assembled/dequantised files live: $OSCAR_CACHE_DIR or ~/.cache/oscar-jax."""
+    return Path(os.environ.get("OSCAR_CACHE_DIR") or Path.home() / ".cache" / "oscar-jax")
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
+
+
+def dequantised_tensors(path: str | Path, *, use_cache: bool = True) -> dict[str, np.ndarray]:
+    """All tensors of a GGUF as float32 numpy arrays in numpy order ([rows, cols] = [out, in])."""
+    from safetensors.numpy import load_file, save_file
+
+    path = Path(path)
+    st = path.stat()
+    cached = cache_dir() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}.f32.safetensors"
+    if use_cache and cached.exists():
+        return load_file(str(cached))
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+               for t in reader.tensors}
+    if use_cache:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(cached)  # atomic: concurrent test workers never read a partial file
+    return tensors
+
+
+def load_gguf(path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None,
+              use_cache: bool = True) -> Decoder:
+    """A `Decoder` with the GGUF's architecture (metadata) and dequantised weights."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    cfg = read_config(path)
+    tensors = dequantised_tensors(path, use_cache=use_cache)
+    return build_decoder(cfg, tensors.__getitem__, "gguf", dtype=dtype, sharding=sharding)
