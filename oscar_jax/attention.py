@@ -74,15 +74,16 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendF
              recent_k, recent_v bf16 [B, Hkv, W, D], lengths int32 [B], *,
              sink, window, bits, levels, softmax_scale, interpret)
         -> (o_rot f32 [B, C, Hq, D], lse f32 [B, C, Hq])
-    `interpret` is True when running on CPU (tests); q rotation and the R_V^T
-    back-rotation happen here, in XLA.
+    `interpret` is True when running on CPU (tests); q rotation (by
+    `params.query_rot`) and the back-rotation (by `params.output_rot`) happen
+    here, in XLA.
     """
 
     def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None):
         spec = cache.spec
         hi = jax.lax.Precision.HIGHEST
         g = q.shape[2] // spec.kv_heads
-        rot_k = jnp.repeat(params.rot_k, g, axis=0)  # [Hq, D, D]
+        rot_k = jnp.repeat(params.query_rot, g, axis=0)  # [Hq, D, D]
         q_rot = jnp.einsum("bchd,hde->bche", q.astype(jnp.float32), rot_k, precision=hi)
         o_rot, lse = kernel(
             q_rot, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
@@ -93,7 +94,7 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendF
             interpret=jax.default_backend() == "cpu",
         )
         if not params.v_folded:
-            rot_v = jnp.repeat(params.rot_v, g, axis=0)
+            rot_v = jnp.repeat(params.output_rot, g, axis=0)
             o_rot = jnp.einsum("bche,hde->bchd", o_rot, rot_v, precision=hi)
         return o_rot.astype(q.dtype), lse
 
@@ -132,3 +133,12 @@ def attend_window(q: jax.Array, ring: RingCache, *, softmax_scale: float | None 
     spec = ring.spec
     _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
     return reference.attend_window(q, ring, softmax_scale)
+
+
+from oscar_jax.pallas_kernels.tpu import mixed_attention as _tpu_attention  # noqa: E402
+
+register("pallas_tpu", kernel_attend(_tpu_attention.mixed_attention))  # every CacheSpec
+
+from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention  # noqa: E402
+
+register("pallas", kernel_attend(_gpu_attention.mixed_attention), supports=_gpu_attention.supports)

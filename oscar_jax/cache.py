@@ -42,6 +42,9 @@ class LayerParams:
       rotation is broadcast over heads). clip_k, clip_v: float32 [] ratios.
     v_folded: R_V^T is folded into the model's output projection, so attention
       returns outputs in the rotated basis.
+    dual_k, dual_v: None for orthogonal rotations, else float32 [Hkv, D, D] =
+      rot^{-T} (error-shaping calibrations): queries are rotated by the dual of
+      R_K (q·R_K^{-T} · k·R_K = q·k) and outputs return by o = o_rot · dual_vᵀ.
     """
 
     rot_k: jax.Array
@@ -49,11 +52,24 @@ class LayerParams:
     clip_k: jax.Array
     clip_v: jax.Array
     v_folded: bool = _static()
+    dual_k: jax.Array | None = None
+    dual_v: jax.Array | None = None
+
+    @property
+    def query_rot(self) -> jax.Array:
+        """[.., Hkv, D, D] applied to queries as rows: R_K, or R_K^{-T} when not orthogonal."""
+        return self.rot_k if self.dual_k is None else self.dual_k
+
+    @property
+    def output_rot(self) -> jax.Array:
+        """[.., Hkv, D, D] M with o = o_rot · Mᵀ: R_V, or R_V^{-T} when not orthogonal."""
+        return self.rot_v if self.dual_v is None else self.dual_v
 
     @classmethod
     def create(cls, rot_k, rot_v, clip_k, clip_v, *, num_layers: int, kv_heads: int,
-               v_folded: bool = False) -> "LayerParams":
-        """Broadcast rotations ([D, D], [Hkv, D, D] or [L, Hkv, D, D]) and clips to a stack."""
+               v_folded: bool = False, dual_k=None, dual_v=None) -> "LayerParams":
+        """Broadcast rotations ([D, D], [Hkv, D, D] or [L, Hkv, D, D]), their optional
+        duals (same shapes) and clips to a stack."""
 
         def rot(r, name):
             r = jnp.asarray(r, jnp.float32)
@@ -69,7 +85,9 @@ class LayerParams:
             return jnp.broadcast_to(c, (num_layers,))
 
         return cls(rot(rot_k, "rot_k"), rot(rot_v, "rot_v"), clip(clip_k, "clip_k"),
-                   clip(clip_v, "clip_v"), v_folded)
+                   clip(clip_v, "clip_v"), v_folded,
+                   None if dual_k is None else rot(dual_k, "dual_k"),
+                   None if dual_v is None else rot(dual_v, "dual_v"))
 
     def layer(self, i: int) -> "LayerParams":
         return jax.tree.map(lambda x: x[i], self)
@@ -301,16 +319,49 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         cache, **updates, lengths=jnp.where(ok, n + c, n), overflow=cache.overflow | ~ok)
 
 
+def _write_implementation(implementation: str, spec: CacheSpec) -> str:
+    """The prompt-write path for `implementation` ("auto", "xla" or "pallas")."""
+    from oscar_jax.pallas_kernels.gpu import quantize_pack
+
+    if implementation == "auto":
+        gpu = jax.default_backend() == "gpu"
+        return "pallas" if gpu and quantize_pack.supports(spec) else "xla"
+    if implementation not in ("xla", "pallas"):
+        raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla' or 'pallas'")
+    if implementation == "pallas" and not quantize_pack.supports(spec):
+        raise ValueError(f"implementation='pallas' does not support this cache (group size "
+                         f"{spec.group_size} < 16); use 'xla' or 'auto'")
+    return implementation
+
+
+def _pallas_quantize_pack(x, rot, clip, spec: CacheSpec, start: int, count: int) -> quant.Quantized:
+    """The bulk kernel on tokens [start, start + count) of x [B, T, H, D] -> packed Quantized."""
+    from oscar_jax.config import LLOYD_MAX_SPAN
+    from oscar_jax.pallas_kernels.gpu import quantize_pack
+
+    cfg = spec.quant
+    codes, lo, scale = quantize_pack.quantize_pack(
+        x.astype(STORE_DTYPE), rot, clip, bits=cfg.bits, levels=cfg.levels,
+        group_size=spec.group_size, span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
+        scale_dtype=cfg.jnp_scale_dtype, start=start, count=count,
+        interpret=jax.default_backend() == "cpu")
+    return quant.Quantized(codes=codes, lo=lo, scale=scale)
+
+
 def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: jax.Array,
-                 params: LayerParams) -> OscarCache:
+                 params: LayerParams, *, implementation: str = "auto") -> OscarCache:
     """Bulk write of whole prompts into one layer's cache (replaces its contents).
 
     k, v: [B, T, Hkv, D] post-RoPE, unrotated; prompt_lengths: int32 [B] <= T.
     Row b ends up holding positions [0, prompt_lengths[b]): the sink, the quantised
     history [S0, n - W) and the recent ring. Rows longer than max_len raise outside
     jit; inside jit they are emptied and flagged in `overflow`.
+    implementation: "xla", "pallas" (the GPU bulk rotate-quantise-pack kernel, which
+    also rotates only the sink and ring tokens in XLA) or "auto" ("pallas" on GPU
+    where the kernel supports the spec, else "xla").
     """
     spec = cache.spec
+    impl = _write_implementation(implementation, spec)
     if cache.is_stacked:
         raise ValueError("write_prompt takes a per-layer cache: use cache.layer(i) or lax.scan")
     b, h, d = spec.batch, spec.kv_heads, spec.head_dim
@@ -336,14 +387,22 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
         return jnp.pad(x, ((0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)))
 
     def update(which, x, rot, clip):
-        x_rot = _rotate(x, rot)  # [B, H, T, D] f32
-        sink = fit(x_rot, 0, s0).astype(STORE_DTYPE)
-        ring = jnp.take_along_axis(x_rot, jnp.maximum(ring_pos, 0)[:, None, :, None], axis=2)
+        if impl == "pallas":  # rotate only the sink and ring tokens here; the kernel does the rest
+            sink = fit(_rotate(x[:, :s0], rot), 0, s0).astype(STORE_DTYPE)
+            ring = _rotate(jnp.take_along_axis(x, jnp.maximum(ring_pos, 0)[:, :, None, None], axis=1),
+                           rot)
+        else:
+            x_rot = _rotate(x, rot)  # [B, H, T, D] f32
+            sink = fit(x_rot, 0, s0).astype(STORE_DTYPE)
+            ring = jnp.take_along_axis(x_rot, jnp.maximum(ring_pos, 0)[:, None, :, None], axis=2)
         ring = jnp.where((ring_pos >= 0)[:, None, :, None], ring, 0).astype(STORE_DTYPE)
         hist = cache.hist(which)
         if n_hist:
-            q = quant.pack(quant.quantize(fit(x_rot, s0, n_hist).astype(STORE_DTYPE),
-                                          spec.quant, clip), bits)
+            if impl == "pallas":
+                q = _pallas_quantize_pack(x, rot, clip, spec, s0, n_hist)
+            else:
+                q = quant.pack(quant.quantize(fit(x_rot, s0, n_hist).astype(STORE_DTYPE),
+                                              spec.quant, clip), bits)
             hist = quant.Quantized(
                 codes=jax.lax.dynamic_update_slice_in_dim(hist.codes, q.codes, 0, axis=-2),
                 lo=jax.lax.dynamic_update_slice_in_dim(hist.lo, q.lo, 0, axis=-1),

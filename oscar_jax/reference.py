@@ -73,7 +73,7 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     n = cache.lengths
     qp = query_positions(n, c)  # [B, C]
     qr = jnp.einsum("bhgcd,hde->bhgce", _split_heads(q.astype(jnp.float32), spec.kv_heads),
-                    params.rot_k, precision=_HI)
+                    params.query_rot, precision=_HI)
 
     s0, w = spec.sink, spec.window
     f32 = lambda x: x.astype(jnp.float32)
@@ -90,7 +90,7 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     outs, lses = zip(*(segment_attention(qr, f32(k), f32(v), m, scale) for k, v, m in segments))
     o, lse = merge_partials(list(outs), list(lses))
     if not params.v_folded:
-        o = jnp.einsum("bhgce,hde->bhgcd", o, params.rot_v, precision=_HI)
+        o = jnp.einsum("bhgce,hde->bhgcd", o, params.output_rot, precision=_HI)
     return _merge_heads(o).astype(q.dtype), jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])
 
 

@@ -27,7 +27,9 @@ _LOGICAL = {
     },
     RingCache: {"k": _KV, "v": _KV, "lengths": ("batch",)},
     LayerParams: {"rot_k": ("kv_heads", "head_dim", "head_dim"),
-                  "rot_v": ("kv_heads", "head_dim", "head_dim"), "clip_k": (), "clip_v": ()},
+                  "rot_v": ("kv_heads", "head_dim", "head_dim"), "clip_k": (), "clip_v": (),
+                  "dual_k": ("kv_heads", "head_dim", "head_dim"),
+                  "dual_v": ("kv_heads", "head_dim", "head_dim")},
 }
 
 
@@ -51,7 +53,8 @@ def partition_specs(tree, mesh: Mesh, rules: dict[str, str] | None = None):
 
     fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)
               if not f.metadata.get("static")}
-    return dataclasses.replace(tree, **{k: spec_for(k, v) for k, v in fields.items()})
+    return dataclasses.replace(tree, **{k: None if v is None else spec_for(k, v)
+                                        for k, v in fields.items()})
 
 
 def shardings(tree, mesh: Mesh, rules: dict[str, str] | None = None):
