@@ -1,0 +1,127 @@
+"""The KV-state pytree: writes and appends against an independent position model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oscar_jax as oj
+from oscar_jax import cache as cache_lib
+from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element
+from cache_oracle import SequenceOracle, random_kv, signed_permutation
+
+QUANTS = [QuantConfig(bits=2), QuantConfig(bits=4), QuantConfig(bits=2, group_size=8),
+          QuantConfig(bits=2, scale_dtype="float32"), QuantConfig(bits=8)]
+
+
+def _setup(seed, quant_cfg, batch=3, heads=2, d=16, sink=4, window=8, max_len=64):
+    rng = np.random.default_rng(seed)
+    spec = CacheSpec(num_layers=1, batch=batch, kv_heads=heads, head_dim=d, max_len=max_len,
+                     sink=sink, window=window, quant=quant_cfg)
+    rk, rv = signed_permutation(rng, heads, d), signed_permutation(rng, heads, d)
+    params = oj.LayerParams.create(rk, rv, 0.9, 0.8, num_layers=1, kv_heads=heads).layer(0)
+    return rng, spec, params, SequenceOracle(spec, rk, 0.9), SequenceOracle(spec, rv, 0.8)
+
+
+_dense_view = jax.jit(oj.dense_view)
+
+
+def _check(cache, ok, ov):
+    k, v, valid = (np.asarray(a) for a in _dense_view(cache))
+    for b in range(cache.spec.batch):
+        for dense, oracle in ((k, ok), (v, ov)):
+            want, n = oracle.expected(b)
+            assert int(cache.lengths[b]) == n and valid[b].sum() == n
+            np.testing.assert_array_equal(dense[b, :, :n], want)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("quant_cfg", QUANTS, ids=str)
+def test_random_writes_and_appends_match_position_model(seed, quant_cfg):
+    rng, spec, params, ok, ov = _setup(seed, quant_cfg)
+    append = jax.jit(oj.append)
+    t = 20
+    lengths = rng.integers(0, t + 1, spec.batch)
+    lengths[rng.integers(spec.batch)] = rng.choice([spec.sink, spec.sink + spec.window, t])
+    k, v = random_kv(rng, spec.batch, t, spec.kv_heads, spec.head_dim), random_kv(
+        rng, spec.batch, t, spec.kv_heads, spec.head_dim)
+    cache = oj.write_prompt(oj.OscarCache.init(spec).layer(0), k, v, jnp.asarray(lengths), params)
+    ok.write_prompt(k, lengths), ov.write_prompt(v, lengths)
+    _check(cache, ok, ov)
+    while True:
+        c = int(rng.choice([1, 3, spec.window]))
+        if int(np.max(cache.lengths)) + c > spec.max_len:
+            break
+        k, v = (random_kv(rng, spec.batch, c, spec.kv_heads, spec.head_dim) for _ in range(2))
+        cache = append(cache, k, v, params)
+        ok.append(k), ov.append(v)
+        _check(cache, ok, ov)
+    assert not np.any(cache.overflow)
+
+
+def test_append_past_capacity_raises_outside_jit():
+    _, spec, params, *_ = _setup(0, QuantConfig())
+    cache = oj.OscarCache.init(spec).layer(0)
+    x = np.ones((spec.batch, 8, spec.kv_heads, spec.head_dim), np.float32)
+    for _ in range(spec.max_len // 8):
+        cache = oj.append(cache, x, x, params)
+    with pytest.raises(ValueError, match="overflows max_len=64"):
+        oj.append(cache, x[:, :1], x[:, :1], params)
+
+
+def test_append_past_capacity_flags_inside_jit():
+    rng, spec, params, *_ = _setup(1, QuantConfig())
+    x = random_kv(rng, spec.batch, 61, spec.kv_heads, spec.head_dim)
+    cache = oj.write_prompt(oj.OscarCache.init(spec).layer(0), x, x, jnp.array([60, 50, 61]), params)
+    y = random_kv(rng, spec.batch, 5, spec.kv_heads, spec.head_dim)
+    after = jax.jit(oj.append)(cache, y, y, params)
+    assert after.overflow.tolist() == [True, False, True]
+    assert after.lengths.tolist() == [60, 55, 61]
+    for name in ("sink_k", "hist_codes_k", "hist_lo_v", "recent_v"):  # flagged rows untouched
+        np.testing.assert_array_equal(getattr(after, name)[0], getattr(cache, name)[0])
+        np.testing.assert_array_equal(getattr(after, name)[2], getattr(cache, name)[2])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(k_shape=(3, 2, 5, 16)), r"k.shape=\(3, 2, 5, 16\)"),
+    (dict(k_shape=(3, 9, 2, 16)), "window W=8"),
+])
+def test_append_rejects_bad_shapes(kw, match):
+    _, spec, params, *_ = _setup(0, QuantConfig())
+    x = np.ones(kw["k_shape"], np.float32)
+    with pytest.raises(ValueError, match=match):
+        oj.append(oj.OscarCache.init(spec).layer(0), x, x, params)
+
+
+def test_bits_per_element_headline_figure():
+    """D = G = 128, T = 131072, S0 = 64, W = 256, bf16 metadata: 2.28 bits/element,
+    and the arrays really allocate that many bits for one full sequence."""
+    spec = CacheSpec(num_layers=1, batch=1, kv_heads=1, head_dim=128, max_len=131072)
+    assert abs(bits_per_element(spec, 131072) - 2.28) < 0.01
+    cache = oj.OscarCache.init(spec)
+    k_bytes = sum(getattr(cache, f).nbytes for f in
+                  ("sink_k", "hist_codes_k", "hist_lo_k", "hist_scale_k", "recent_k"))
+    assert abs(k_bytes * 8 / (131072 * 128) - bits_per_element(spec, 131072)) < 1e-3
+    full = cache_lib.OscarCache(**{**{f: getattr(cache, f) for f in cache.__dataclass_fields__},
+                                   "lengths": jnp.full((1, 1), 131072, jnp.int32)})
+    assert abs(oj.bits_per_element(full) - 2.28) < 0.01
+    smol = CacheSpec(num_layers=1, batch=1, kv_heads=1, head_dim=64, max_len=8192)
+    assert abs(bits_per_element(smol, 8192) - 3.03) < 0.01
+
+
+def test_ring_layer_keeps_last_capacity_positions():
+    rng = np.random.default_rng(7)
+    spec = oj.RingSpec(num_layers=1, batch=2, kv_heads=1, head_dim=8, window=4, capacity=6)
+    x = random_kv(rng, 2, 9, 1, 8)
+    ring = oj.ring_write_prompt(oj.RingCache.init(spec).layer(0), x, x, jnp.array([3, 9]))
+    pos = np.asarray(cache_lib.ring_slot_positions(ring.lengths, spec.capacity))
+    for b in range(2):
+        for slot, p in enumerate(pos[b]):
+            if p >= 0:
+                np.testing.assert_array_equal(np.asarray(ring.k[b, :, slot], np.float32), x[b, p])
+    assert sorted(p for p in pos[1] if p >= 0) == [3, 4, 5, 6, 7, 8]
+    y = random_kv(rng, 2, 3, 1, 8)
+    ring = oj.ring_append(ring, y, y)
+    np.testing.assert_array_equal(np.asarray(ring.k[1, :, 9 % 6], np.float32), y[1, 0])
+    with pytest.raises(ValueError, match="capacity - window"):
+        oj.ring_append(ring, random_kv(rng, 2, 4, 1, 8), random_kv(rng, 2, 4, 1, 8))
