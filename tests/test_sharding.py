@@ -1,0 +1,67 @@
+"""Sharded attend on 8 fake CPU devices equals the one-device result; one compilation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import oscar_jax as oj
+from oscar_jax import sharding
+from oscar_jax.config import CacheSpec
+from cache_oracle import random_kv
+
+
+def _step(cache, params, k, v, q):
+    """One decode step over every layer: append then attend (lax.scan over layers)."""
+
+    def layer(carry, xs):
+        layer_cache, layer_params = xs
+        layer_cache = oj.append(layer_cache, k, v, layer_params)
+        o, _ = oj.attend(q, layer_cache, layer_params, implementation="xla")
+        return carry + o.astype(jnp.float32), layer_cache
+
+    out, cache = jax.lax.scan(layer, jnp.zeros(q.shape, jnp.float32), (cache, params))
+    return out, cache
+
+
+@pytest.mark.parametrize("kv_heads", [8, 3])
+def test_sharded_equals_single_device_and_compiles_once(kv_heads):
+    assert jax.device_count() == 8, "tests/conftest.py sets 8 host devices"
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    rng = np.random.default_rng(kv_heads)
+    b, d, g, layers = 4, 16, 2, 2
+    spec = CacheSpec(num_layers=layers, batch=b, kv_heads=kv_heads, head_dim=d, max_len=64,
+                     sink=4, window=8)
+    rot = np.linalg.qr(rng.standard_normal((layers, kv_heads, d, d)))[0].astype(np.float32)
+    params = oj.LayerParams.create(rot, rot[::-1], 0.95, 0.9, num_layers=layers, kv_heads=kv_heads)
+    prompt = random_kv(rng, b, 20, kv_heads, d)
+    lengths = jnp.array([20, 3, 12, 17])
+    cache = oj.OscarCache.init(spec)
+    cache = jax.vmap(oj.write_prompt, in_axes=(0, None, None, None, 0))(cache, prompt, prompt, lengths, params)
+
+    specs = sharding.partition_specs(cache, mesh)
+    if kv_heads == 8:
+        assert specs.hist_codes_k == P(None, "data", "model", None, None)
+    else:  # 3 KV heads do not divide the 4-way model axis: replicated
+        assert specs.hist_codes_k == P(None, "data", None, None, None)
+    sharded_cache = jax.device_put(cache, sharding.shardings(cache, mesh))
+    sharded_params = jax.device_put(params, sharding.shardings(params, mesh))
+    batch_sharding = NamedSharding(mesh, P("data"))
+
+    # Pin the cache's output sharding so step i's output is step i+1's input layout.
+    step = jax.jit(_step, donate_argnums=0,
+                   out_shardings=(batch_sharding, sharding.shardings(cache, mesh)))
+    single = jax.jit(_step)
+    for i in range(20):
+        k, v = (random_kv(rng, b, 1, kv_heads, d) for _ in range(2))
+        q = rng.standard_normal((b, 1, kv_heads * g, d)).astype(np.float32)
+        want, cache = single(cache, params, k, v, q)
+        got, sharded_cache = step(sharded_cache, sharded_params,
+                                  *(jax.device_put(x, batch_sharding) for x in (k, v, q)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert sharded_cache.hist_codes_k.sharding.spec == specs.hist_codes_k
+    np.testing.assert_array_equal(np.asarray(sharded_cache.hist_codes_v), np.asarray(cache.hist_codes_v))
+    assert step._cache_size() == 1
