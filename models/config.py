@@ -72,6 +72,7 @@ class ModelConfig:
     sliding_window: int | None = None
     tie_embeddings: bool = True
     attention_bias: bool = False
+    output_bias: bool = False
     qk_norm: bool = False
     activation: Activation = "silu"
     query_pre_attn_scalar: float | None = None
@@ -133,6 +134,19 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ readers
 
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Inverse of `to_dict` (e.g. after a JSON round trip)."""
+        d = dict(d)
+        d["layer_types"] = tuple(d["layer_types"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "ModelConfig":
         """From a Hugging Face config.json dict (a multimodal gemma3 uses its text_config)."""
@@ -179,7 +193,8 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=int(window) if window else None,
             tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
-            attention_bias=bool(c.get("attention_bias", mt == "qwen2")),
+            attention_bias=mt == "qwen2" or bool(c.get("attention_bias")),
+            output_bias=mt != "qwen2" and bool(c.get("attention_bias")),
             qk_norm=mt in ("qwen3", "gemma3_text"),
             activation="gelu_tanh" if gemma else "silu",
             query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", GEMMA3_QUERY_PRE_ATTN_SCALAR)) if gemma else None,
@@ -249,6 +264,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "rms_norm_eps": self.rms_eps, "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_embeddings, "attention_bias": self.attention_bias,
+            "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
             "torch_dtype": "float32",

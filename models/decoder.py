@@ -35,6 +35,8 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
               "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
     if cfg.attention_bias:
         shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.output_bias:
+        shapes.update(bo=(h,))
     if cfg.qk_norm:
         shapes.update(q_norm=(d,), k_norm=(d,))
     if cfg.post_norms:
@@ -216,6 +218,8 @@ class Decoder(nnx.Module):
             if mode == "prefill":
                 layer_kv = kv_policy.write_prompt(layer_kv, k, v, lengths)
         o = mm(o.reshape(b, t, hq * d).astype(x.dtype), w["wo"])
+        if cfg.output_bias:
+            o = o + w["bo"]
         if cfg.post_norms:
             o = rms_norm(o, w["post_attn_norm"], cfg.rms_eps)
         x = x + o

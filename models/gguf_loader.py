@@ -9,6 +9,7 @@ later loads.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -27,27 +28,44 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OSCAR_CACHE_DIR") or Path.home() / ".cache" / "oscar-jax")
 
 
+def cached_file(path: str | Path, suffix: str) -> Path:
+    """A file derived from the GGUF at `path`, in `cache_dir()`, keyed by its name, size and mtime."""
+    path = Path(path)
+    st = path.stat()
+    return cache_dir() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}{suffix}"
+
+
+def write_atomic(target: Path, write) -> None:
+    """write(tmp_path) then rename onto target, so concurrent readers never see a partial file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    write(tmp)
+    tmp.replace(target)
+
+
 def read_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
+    """The GGUF's `ModelConfig` (parsing GGUF metadata with its 262K-string vocab is
+    slow, so the result is cached as JSON)."""
+    cached = cached_file(path, ".config.json")
+    if cached.exists():
+        return ModelConfig.from_dict(json.loads(cached.read_text()))
+    cfg = ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
+    write_atomic(cached, lambda tmp: tmp.write_text(json.dumps(cfg.to_dict())))
+    return cfg
 
 
 def dequantised_tensors(path: str | Path, *, use_cache: bool = True) -> dict[str, np.ndarray]:
     """All tensors of a GGUF as float32 numpy arrays in numpy order ([rows, cols] = [out, in])."""
     from safetensors.numpy import load_file, save_file
 
-    path = Path(path)
-    st = path.stat()
-    cached = cache_dir() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}.f32.safetensors"
+    cached = cached_file(path, ".f32.safetensors")
     if use_cache and cached.exists():
         return load_file(str(cached))
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
                for t in reader.tensors}
     if use_cache:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(cached)  # atomic: concurrent test workers never read a partial file
+        write_atomic(cached, lambda tmp: save_file(tensors, str(tmp)))
     return tensors
 
 

