@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up .venv (scripts/setup.sh) and run the test suite on the CPU, 2 workers.
+# Extra arguments go to pytest, e.g. scripts/test.sh tests/test_cache.py -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -n 2 -q "$@"
