@@ -110,13 +110,20 @@ def collect(model: Decoder, calib_ids: np.ndarray, heldout_ids: np.ndarray, *, s
 
 def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
                      clips: cal.ClipMode = "fit") -> dict[str, np.ndarray]:
-    """Held-aside relative attention-logit error per layer [L] of each key-rotation variant,
-    with its clip ratios fitted (or fixed) on the same held-aside tokens."""
+    """Held-aside relative attention-logit error per layer [L] of each key-rotation variant.
+
+    The held-aside windows are split in two: clips are fitted on the first half
+    (clips="fit") and the error is measured on the second."""
+    b = run.heldout[0].shape[1]
+    if b < 2:
+        raise ValueError(f"compare_variants needs >= 2 held-aside windows, got {b}")
+    fit_part = tuple(x[:, : b // 2] for x in run.heldout)
+    q_eval, k_eval = (x[:, b // 2:] for x in run.heldout[:2])
     out = {}
     for name in names:
-        c = cal.calibrate(run.stats, run.heldout, rotation_k=name, rotation_v=name,
+        c = cal.calibrate(run.stats, fit_part, rotation_k=name, rotation_v=name,
                           quant_cfg=quant_cfg, clips=clips)
-        out[name] = cal.logit_error(run.heldout[0], run.heldout[1], c.rot_k, c.clip_k, quant_cfg)
+        out[name] = cal.logit_error(q_eval, k_eval, c.rot_k, c.clip_k, quant_cfg)
     return out
 
 

@@ -132,19 +132,24 @@ def read_metadata(path: str | Path) -> ArtifactMetadata:
                          f"its metadata cannot be read ({type(e).__name__}: {e})") from e
 
 
-def load(path: str | Path, *, model_name: str, config_hash: str, head_dim: int,
-         v_folded: bool = False) -> tuple[LayerParams, ArtifactMetadata]:
+def load(path: str | Path, *, model_name: str | None, config_hash: str, head_dim: int,
+         layers: tuple[int, ...] | None = None, v_folded: bool = False
+         ) -> tuple[LayerParams, ArtifactMetadata]:
     """Load the artifact for the caller's model -> (stacked LayerParams [L, Hkv, D, D], metadata).
 
-    Refuses (ValueError) another format version, model name, config hash or head
-    dim, and an artifact whose arrays are missing, misshapen or fail the checksum.
+    Refuses (ValueError) another format version, model name (None: not checked),
+    config hash, head dim or layer list (None: not checked), and an artifact whose
+    arrays are missing, misshapen or fail the checksum.
     """
     path = Path(path).absolute()
     meta = read_metadata(path)
     expected = {"format_version": FORMAT_VERSION, "model_name": model_name,
-                "config_hash": config_hash, "head_dim": head_dim}
+                "config_hash": config_hash, "head_dim": head_dim,
+                "layers": None if layers is None else tuple(layers)}
     for field, want in expected.items():
         got = getattr(meta, field)
+        if want is None:
+            continue
         if got != want:
             raise ValueError(f"calibration artifact {str(path)!r} was made for {field}={got!r}, "
                              f"but this model has {field}={want!r}; recalibrate with "
@@ -166,3 +171,14 @@ def load(path: str | Path, *, model_name: str, config_hash: str, head_dim: int,
         dual_k=None if orthogonal(arrays["rot_k"], arrays["dual_k"]) else arrays["dual_k"],
         dual_v=None if orthogonal(arrays["rot_v"], arrays["dual_v"]) else arrays["dual_v"],
     ), meta
+
+
+def load_layer_params(path: str | Path, *, model_cfg, model_name: str | None = None,
+                      v_folded: bool = False) -> LayerParams:
+    """LayerParams [L_full, Hkv, D, D] for a decoder config (a dataclass with `head_dim`
+    and `layer_types`): checks the config hash, head dim and that the artifact covers
+    exactly the config's full-attention layers (see `load`)."""
+    layers = tuple(i for i, t in enumerate(model_cfg.layer_types) if t == "full_attention")
+    params, _ = load(path, model_name=model_name, config_hash=fingerprint(model_cfg),
+                     head_dim=model_cfg.head_dim, layers=layers, v_folded=v_folded)
+    return params
