@@ -109,7 +109,7 @@ def collect(model: Decoder, calib_ids: np.ndarray, heldout_ids: np.ndarray, *, s
 
 
 def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
-                     clips: cal.ClipMode = "fit") -> dict[str, np.ndarray]:
+                     clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID) -> dict[str, np.ndarray]:
     """Held-aside relative attention-logit error per layer [L] of each key-rotation variant.
 
     The held-aside windows are split in two: clips are fitted on the first half
@@ -122,7 +122,7 @@ def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: Qua
     out = {}
     for name in names:
         c = cal.calibrate(run.stats, fit_part, rotation_k=name, rotation_v=name,
-                          quant_cfg=quant_cfg, clips=clips)
+                          quant_cfg=quant_cfg, clips=clips, grid=grid)
         out[name] = cal.logit_error(q_eval, k_eval, c.rot_k, c.clip_k, quant_cfg)
     return out
 
@@ -146,7 +146,8 @@ def calibrate(
     rotation_k: str = typer.Option("uhp", help=f"key rotation: KIND or KIND/head, KIND in {cal.ROTATION_KINDS}"),
     rotation_v: str = typer.Option("uhp", help="value rotation (same names)"),
     value_weighting: str = typer.Option("published", help=f"one of {cal.VALUE_WEIGHTINGS}"),
-    clips: str = typer.Option("fit", help="fit (grid 0.70..1.00 on held-aside tokens) | fixed (0.96/0.92)"),
+    clips: str = typer.Option("fit", help="fit (grid clip-min..1.00 on held-aside tokens) | fixed (0.96/0.92)"),
+    clip_min: float = typer.Option(0.70, min=0.05, max=1.0, help="lowest clip ratio of the fit grid (step 0.01)"),
     group_size: int | None = typer.Option(None, help="quantiser group size G (default: head dim)"),
     sample_tokens: int = typer.Option(4096, min=1, help="bounded sample for the published value weights"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside logit error to print"),
@@ -182,8 +183,9 @@ def calibrate(
         run = collect(decoder, ids[:tokens], ids[tokens:], seq_len=seq_len, config=calib_cfg,
                       progress=lambda n: bar.advance(task, n))
     t0 = time.perf_counter()
+    grid = tuple(np.round(np.arange(clip_min, 1.0 + 1e-9, 0.01), 2))
     result = cal.calibrate(run.stats, run.heldout, rotation_k=rotation_k, rotation_v=rotation_v,
-                           quant_cfg=quant_cfg, clips=clips)
+                           quant_cfg=quant_cfg, clips=clips, grid=grid)
     fit_s = time.perf_counter() - t0
     meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
                          corpus_hash=artifact.fingerprint(ids), layers=run.layers)
@@ -196,6 +198,10 @@ def calibrate(
         table.add_row(str(layer), f"{spread_k[i]:.1f}", f"{spread_v[i]:.1f}",
                       f"{result.clip_k[i]:.2f}", f"{result.clip_v[i]:.2f}")
     console.print(table)
+    at_edge = int(np.sum(result.clip_k <= grid[0]) + np.sum(result.clip_v <= grid[0])) if clips == "fit" else 0
+    if at_edge:
+        console.print(f"[yellow]{at_edge} of {2 * len(run.layers)} fitted ratios sit at the grid's lowest "
+                      f"value {grid[0]}: the optimum may lie below it (lower --clip-min)[/yellow]")
     console.print(f"calibration wall time: {run.seconds:.1f} s (forwards + statistics), "
                   f"{fit_s:.1f} s (rotations + clip fit); artifact: {out}")
     if time_forward:
@@ -207,7 +213,7 @@ def calibrate(
         console.print(f"plain forward over the same {len(rows) * seq_len} tokens: "
                       f"{time.perf_counter() - t0:.1f} s ({jax.devices()[0].device_kind}, jax {jax.__version__})")
     if compare:
-        errors = compare_variants(run, tuple(n.strip() for n in compare.split(",")), quant_cfg, clips)
+        errors = compare_variants(run, tuple(n.strip() for n in compare.split(",")), quant_cfg, clips, grid)
         g = quant_cfg.group_size or decoder.cfg.head_dim
         meta_bits = 16 if quant_cfg.scale_dtype == "bfloat16" else 32
         table = Table(title=f"held-aside attention-logit error, every key quantised: "

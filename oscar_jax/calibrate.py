@@ -75,7 +75,7 @@ class Accumulator:
     kk: [L, Hkv, D, D] Σ k kᵀ; wvv: [L, Hkv, D, D] Σ w v vᵀ and w: [L, Hkv] Σ w
     (attention-mass weighting only); tokens: tokens seen (B·T summed);
     sample_k, sample_v: float32 [L, N, Hkv, D] a uniform sample of N <= sample_tokens
-    tokens (bottom-N of seeded random priorities [N]), for the published weighting.
+    tokens (bottom-N of seeded random priorities [N]), kept for the published weighting only.
     """
 
     qq: np.ndarray
@@ -163,16 +163,17 @@ def accumulate(acc: Accumulator, q: jax.Array, k: jax.Array, v: jax.Array) -> Ac
     f64 = lambda x: np.asarray(x, np.float64)
     n_new = k.shape[1] * k.shape[2]
     rows = lambda x: np.asarray(x, np.float32).reshape(x.shape[0], n_new, *x.shape[3:])
+    if attention_weighted:  # one pass: no sample needed
+        return dataclasses.replace(acc, qq=acc.qq + f64(qq), kk=acc.kk + f64(kk),
+                                   wvv=acc.wvv + f64(wvv), w=acc.w + f64(w), tokens=acc.tokens + n_new)
     priority = np.concatenate([acc.sample_priority,
                                np.random.default_rng((cfg.seed, acc.tokens)).random(n_new)])
     keep = np.sort(np.argsort(priority, kind="stable")[:cfg.sample_tokens])
     sample = lambda old, new: np.concatenate([old, rows(new)], axis=1)[:, keep]
     return dataclasses.replace(
-        acc, qq=acc.qq + f64(qq), kk=acc.kk + f64(kk),
-        wvv=acc.wvv + f64(wvv) if attention_weighted else acc.wvv,
-        w=acc.w + f64(w) if attention_weighted else acc.w,
-        tokens=acc.tokens + n_new, sample_k=sample(acc.sample_k, k),
-        sample_v=sample(acc.sample_v, v), sample_priority=priority[keep])
+        acc, qq=acc.qq + f64(qq), kk=acc.kk + f64(kk), tokens=acc.tokens + n_new,
+        sample_k=sample(acc.sample_k, k), sample_v=sample(acc.sample_v, v),
+        sample_priority=priority[keep])
 
 
 @dataclasses.dataclass(frozen=True)
