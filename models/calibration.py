@@ -109,21 +109,24 @@ def collect(model: Decoder, calib_ids: np.ndarray, heldout_ids: np.ndarray, *, s
 
 
 def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
-                     clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID) -> dict[str, np.ndarray]:
-    """Held-aside relative attention-logit error per layer [L] of each key-rotation variant.
+                     clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID, softmax_scale: float | None = None
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per rotation variant (used for K and V): held-aside relative attention-logit error
+    (keys quantised) and attention-output error (values quantised), per layer [L] each.
 
     The held-aside windows are split in two: clips are fitted on the first half
-    (clips="fit") and the error is measured on the second."""
+    (clips="fit") and the errors are measured on the second."""
     b = run.heldout[0].shape[1]
     if b < 2:
         raise ValueError(f"compare_variants needs >= 2 held-aside windows, got {b}")
     fit_part = tuple(x[:, : b // 2] for x in run.heldout)
-    q_eval, k_eval = (x[:, b // 2:] for x in run.heldout[:2])
+    q_eval, k_eval, v_eval = (x[:, b // 2:] for x in run.heldout)
     out = {}
     for name in names:
         c = cal.calibrate(run.stats, fit_part, rotation_k=name, rotation_v=name,
-                          quant_cfg=quant_cfg, clips=clips, grid=grid)
-        out[name] = cal.logit_error(q_eval, k_eval, c.rot_k, c.clip_k, quant_cfg)
+                          quant_cfg=quant_cfg, clips=clips, grid=grid, softmax_scale=softmax_scale)
+        out[name] = (cal.logit_error(q_eval, k_eval, c.rot_k, c.clip_k, quant_cfg),
+                     cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale))
     return out
 
 
@@ -213,13 +216,15 @@ def calibrate(
         console.print(f"plain forward over the same {len(rows) * seq_len} tokens: "
                       f"{time.perf_counter() - t0:.1f} s ({jax.devices()[0].device_kind}, jax {jax.__version__})")
     if compare:
-        errors = compare_variants(run, tuple(n.strip() for n in compare.split(",")), quant_cfg, clips, grid)
+        errors = compare_variants(run, tuple(n.strip() for n in compare.split(",")), quant_cfg, clips,
+                                  grid, decoder.cfg.softmax_scale)
         g = quant_cfg.group_size or decoder.cfg.head_dim
         meta_bits = 16 if quant_cfg.scale_dtype == "bfloat16" else 32
-        table = Table(title=f"held-aside attention-logit error, every key quantised: "
+        table = Table(title=f"held-aside errors, every K (V) quantised: "
                             f"{quant_cfg.bits + 2 * meta_bits / g:.2f} bits/element (G={g}), clips {clips}")
         table.add_column("variant")
-        table.add_column("mean rel. logit MSE", justify="right")
-        for name, err in errors.items():
-            table.add_row(name, f"{err.mean():.4f}")
+        table.add_column("rel. logit MSE (K)", justify="right")
+        table.add_column("rel. output MSE (V)", justify="right")
+        for name, (err_k, err_v) in errors.items():
+            table.add_row(name, f"{err_k.mean():.4f}", f"{err_v.mean():.4f}")
         console.print(table)

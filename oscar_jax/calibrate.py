@@ -437,6 +437,36 @@ def fit_clips(stats: Statistics, q: jax.Array, k: jax.Array, v: jax.Array, rot_k
                    err_k, err_v)
 
 
+def _causal(t: int) -> jax.Array:
+    return jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logit_sums(q, k, rot, dual, clip, cfg: QuantConfig):
+    """One layer: q [B, T, Hq, D], k [B, T, Hkv, D] -> (Σ (s - ŝ)², Σ s²) over causal pairs."""
+    b, t, hkv, d = k.shape
+    k_hat = reconstruct(k.reshape(-1, hkv, d), rot, dual, cfg, clip).reshape(k.shape)
+    qg = _group_queries(q.astype(jnp.float32), hkv)
+    s = jnp.einsum("bqhgd,bthd->bhgqt", qg, k.astype(jnp.float32), precision=_HI)
+    s_hat = jnp.einsum("bqhgd,bthd->bhgqt", qg, k_hat, precision=_HI)
+    causal = _causal(t)
+    return jnp.sum(jnp.where(causal, (s - s_hat) ** 2, 0.0)), jnp.sum(jnp.where(causal, s * s, 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "softmax_scale"))
+def _output_sums(q, k, v, rot, dual, clip, cfg: QuantConfig, softmax_scale):
+    """One layer: (Σ |o - ô|², Σ |o|²) with o = softmax(q·k) v, ô the same over v̂."""
+    b, t, hkv, d = k.shape
+    v_hat = reconstruct(v.reshape(-1, hkv, d), rot, dual, cfg, clip).reshape(v.shape)
+    qg = _group_queries(q.astype(jnp.float32), hkv)
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    s = jnp.einsum("bqhgd,bthd->bhgqt", qg, k.astype(jnp.float32), precision=_HI) * scale
+    p = jax.nn.softmax(jnp.where(_causal(t), s, -jnp.inf), axis=-1)
+    o = jnp.einsum("bhgqt,bthd->bhgqd", p, v.astype(jnp.float32), precision=_HI)
+    o_hat = jnp.einsum("bhgqt,bthd->bhgqd", p, v_hat, precision=_HI)
+    return jnp.sum((o - o_hat) ** 2), jnp.sum(o * o)
+
+
 def logit_error(q: jax.Array, k: jax.Array, rot_k: Rotation, clip_k: np.ndarray,
                 cfg: QuantConfig) -> np.ndarray:
     """Relative attention-logit error per layer on held-aside tokens, every key quantised:
@@ -444,20 +474,20 @@ def logit_error(q: jax.Array, k: jax.Array, rot_k: Rotation, clip_k: np.ndarray,
     g query heads of each KV head. q [L, B, T, Hq, D], k [L, B, T, Hkv, D]; clip_k [L]
     -> float64 [L]."""
     check_activations(q, k, k)
-    num_layers, b, t, hkv, d = k.shape
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    sums = [_logit_sums(q[i], k[i], rot_k.rot[i], rot_k.dual[i], float(clip_k[i]), cfg)
+            for i in range(k.shape[0])]
+    return np.array([float(e) / float(r) for e, r in sums])
 
-    @jax.jit
-    def one(q, k, rot, dual, clip):
-        k_hat = reconstruct(k.reshape(-1, hkv, d), rot, dual, cfg, clip).reshape(k.shape)
-        qg = _group_queries(q.astype(jnp.float32), hkv)
-        s = jnp.einsum("bqhgd,bthd->bhgqt", qg, k.astype(jnp.float32), precision=_HI)
-        s_hat = jnp.einsum("bqhgd,bthd->bhgqt", qg, k_hat, precision=_HI)
-        return (jnp.sum(jnp.where(causal, (s - s_hat) ** 2, 0.0)),
-                jnp.sum(jnp.where(causal, s * s, 0.0)))
 
-    out = [one(q[i], k[i], rot_k.rot[i], rot_k.dual[i], float(clip_k[i])) for i in range(num_layers)]
-    return np.array([float(e) / float(r) for e, r in out])
+def output_error(q: jax.Array, k: jax.Array, v: jax.Array, rot_v: Rotation, clip_v: np.ndarray,
+                 cfg: QuantConfig, softmax_scale: float | None = None) -> np.ndarray:
+    """Relative attention-output error per layer on held-aside tokens, every value quantised
+    (keys exact): Σ |o - ô|² / Σ |o|² over causal queries. q [L, B, T, Hq, D], k, v
+    [L, B, T, Hkv, D]; clip_v [L] -> float64 [L]."""
+    check_activations(q, k, v)
+    sums = [_output_sums(q[i], k[i], v[i], rot_v.rot[i], rot_v.dual[i], float(clip_v[i]), cfg,
+                         softmax_scale) for i in range(k.shape[0])]
+    return np.array([float(e) / float(r) for e, r in sums])
 
 
 # ----------------------------------------------------------------------------
