@@ -323,7 +323,9 @@ class QuantPolicy:
         if cfg.count(FULL):
             spec = CacheSpec(cfg.count(FULL), batch, cfg.num_kv_heads, cfg.head_dim,
                              max(max_len, self.sink + window), self.sink, window, self.quant)
-            groups[FULL] = OscarGroup(oc.OscarCache.init(spec), self.params(cfg), self.implementation)
+            # A fresh copy: the state is donated by extend/decode, the policy's arrays must survive.
+            params = jax.tree.map(jnp.copy, self.params(cfg))
+            groups[FULL] = OscarGroup(oc.OscarCache.init(spec), params, self.implementation)
         if cfg.count(SLIDING):
             groups[SLIDING] = _ring(cfg, batch, chunk)
         return KVState(groups, jnp.zeros((batch,), jnp.int32))
