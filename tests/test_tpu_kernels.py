@@ -162,7 +162,7 @@ def _implementations(config: Config):
         kernel = functools.partial(attention.attend, implementation="pallas_tpu")
     else:
         kernel = attention.kernel_attend(functools.partial(
-            ma.mixed_attention, block_sizes=ma.BlockSizes(config.hist_rows)))
+            ma.mixed_attention, config=ma.AttentionConfig(config.hist_rows)))
     return jax.jit(functools.partial(attention.attend, implementation="xla")), jax.jit(kernel)
 
 
@@ -178,6 +178,23 @@ def _check_attention(q, cache, params, reference, kernel):
 @pytest.mark.parametrize("config,lengths,seed", _ci_cases())
 def test_attention_matches_reference(config, lengths, seed):
     _check_attention(*_random_cache(config, lengths, seed), *_implementations(config))
+
+
+@pytest.mark.parametrize("passes,tol", [(1, 3e-2), (2, 2e-3)])
+def test_fewer_bf16_passes_trade_precision(passes, tol):
+    """1 or 2 bf16 MXU passes over the f32 operand: bounded error, larger than 3 passes'."""
+    config = Config(128, 4, 7, hist=600, hist_rows=128)
+    q, cache, params = _random_cache(config, (640, 200), 11)
+    want_o, want_lse = _implementations(config)[0](q, cache, params)
+    errors = []
+    for p in (passes, 3):
+        kernel = attention.kernel_attend(functools.partial(
+            ma.mixed_attention, config=ma.AttentionConfig(128, passes=p)))
+        o, lse = jax.jit(kernel)(q, cache, params)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=tol, rtol=tol)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), atol=tol, rtol=tol)
+        errors.append(float(np.abs(np.asarray(o) - np.asarray(want_o)).max()))
+    assert errors[0] > errors[1]
 
 
 @pytest.mark.slow
@@ -277,7 +294,7 @@ def test_bad_inputs_raise_named_errors():
     with pytest.raises(ValueError, match="levels"):
         ma.mixed_attention(*args, **{**kw, "levels": (0.0, 1.0)})
     with pytest.raises(ValueError, match="hist_rows=100"):
-        ma.BlockSizes(100)
+        ma.AttentionConfig(100)
     with pytest.raises(ValueError, match="T=6"):
         bw.bulk_write(jnp.ones((1, 6, 1, 64)), jnp.ones((1, 64, 64)), 0.9, bits=2,
                       group_size=None, levels=(0.0, 1.0, 2.0, 3.0), interpret=True)

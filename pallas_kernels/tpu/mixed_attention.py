@@ -1,7 +1,7 @@
 """Mixed-cache attention on TPU (Pallas Mosaic): bf16 sink ++ packed INT-b history ++ bf16 ring.
 
 One kernel instance per (batch row, KV head); the grid's last axis walks the
-packed history in blocks of `BlockSizes.hist_rows` byte rows (tpb tokens each).
+packed history in blocks of `AttentionConfig.hist_rows` byte rows (tpb tokens each).
 The g*C query rows of a KV head (GQA heads x chunk) share every block read.
 Online-softmax state (running max, denominator, output) lives in VMEM scratch:
 step 0 initialises it and folds in the sink, every step folds in one history
@@ -39,20 +39,31 @@ _NN = (((1,), (0,)), ((), ()))
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """hist_rows: packed byte rows of history per grid step (tpb tokens per row).
+class AttentionConfig:
+    """Static kernel settings.
 
-    A multiple of 128 (the metadata block puts these rows on lanes), or the whole
-    history when it has fewer rows. The last block may be partial: rows past the
-    array are masked.
+    hist_rows: packed byte rows of history per grid step (tpb tokens per row).
+
+    A multiple of 128 (the metadata block puts these rows on lanes); a shorter
+    history is one block, and a partial last block is masked. 2048 rows (8192
+    tokens at 2 bits, ~0.6 MB of K+V codes and metadata at D = 128) keep the
+    ~0.35 us per-step pipeline overhead below the DMA time on v5e/v6e while
+    staying well inside the default scoped VMEM (docs/tpu.md; untuned).
+    passes: bf16 MXU passes per matmul over the f32 queries / probabilities (the
+    other operand, integer levels or the bf16 cache, is exact in bf16): 3 matches
+    a float32 matmul (~1e-6 here), 2 keeps ~16 bits (~1e-4 absolute on scores of
+    size ~10), 1 rounds queries to bf16 like stock TPU attention kernels.
     """
 
-    hist_rows: int = 512
+    hist_rows: int = 2048
+    passes: int = 3
 
     def __post_init__(self):
+        if self.passes not in (1, 2, 3):
+            raise ValueError(f"AttentionConfig.passes={self.passes}: expected 1, 2 or 3")
         if self.hist_rows <= 0 or self.hist_rows % NUM_LANES:
-            raise ValueError(f"BlockSizes.hist_rows={self.hist_rows}: expected a positive multiple "
-                             f"of {NUM_LANES}")
+            raise ValueError(f"AttentionConfig.hist_rows={self.hist_rows}: expected a positive "
+                             f"multiple of {NUM_LANES}")
 
 
 def interpret_params(interpret: bool | pltpu.InterpretParams) -> pltpu.InterpretParams | None:
@@ -66,17 +77,42 @@ def interpret_params(interpret: bool | pltpu.InterpretParams) -> pltpu.Interpret
 
 
 def _level_values(codes: jax.Array, levels: tuple[float, ...]) -> jax.Array:
-    """int32 codes -> float32 level[code]; uniform levels are the codes themselves."""
+    """int32 codes -> level[code]: bfloat16 (exact) for uniform levels 0..255, else float32."""
     if all(lv == i for i, lv in enumerate(levels)):
-        return codes.astype(jnp.float32)
+        return codes.astype(jnp.bfloat16)
     out = jnp.full(codes.shape, levels[0], jnp.float32)
     for i, lv in enumerate(levels[1:], start=1):
         out = jnp.where(codes == i, jnp.float32(lv), out)
     return out
 
 
+def _bf16_pieces(a: jax.Array, passes: int) -> list[jax.Array]:
+    """Split f32 a into `passes` bf16 terms summing to a within ~2**(-8 * passes) relative.
+
+    Leading terms clear the low 16 bits with a mask (a convert round trip would be folded
+    away by XLA's excess-precision rewrite in interpret mode); the last term is rounded.
+    """
+    pieces = []
+    for _ in range(passes - 1):
+        bits = jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        head = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        pieces.append(head.astype(jnp.bfloat16))
+        a = a - head
+    return pieces + [a.astype(jnp.bfloat16)]
+
+
+def _dot(a: jax.Array, b: jax.Array, dims, passes: int) -> jax.Array:
+    """f32 a times b with f32 accumulation. A bf16 b holds exact values (integer levels,
+    the bf16 cache), so the MXU runs `passes` bf16 passes over the pieces of a;
+    a float32 b (Lloyd-Max levels) takes a HIGHEST-precision f32 matmul."""
+    if b.dtype != jnp.bfloat16:
+        return jax.lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=jnp.float32)
+    return sum(jax.lax.dot_general(x, b, dims, preferred_element_type=jnp.float32)
+               for x in _bf16_pieces(a, passes))
+
+
 def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_rows,
-            n_groups, has_sink, has_hist):
+            n_groups, has_sink, has_hist, passes):
     """Refs per grid point (b, h, k):
 
     q_ref f32 [M, D] (scaled, rotated; row r is query c = r % chunk);
@@ -109,12 +145,9 @@ def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_r
         acc_ref[...] = alpha * acc_ref[...] + pv(p)
 
     def dense_segment(k_ref, v_ref, visible):
-        kf = k_ref[...].astype(jnp.float32)
-        s = jax.lax.dot_general(q, kf, _NT, precision=_HI, preferred_element_type=jnp.float32)
-        s = jnp.where(visible, s, -jnp.inf)
-        vf = v_ref[...].astype(jnp.float32)
-        fold(s, lambda p: jax.lax.dot_general(p, vf, _NN, precision=_HI,
-                                              preferred_element_type=jnp.float32))
+        s = jnp.where(visible, _dot(q, k_ref[...], _NT, passes), -jnp.inf)
+        v = v_ref[...]
+        fold(s, lambda p: _dot(p, v, _NN, passes))
 
     @pl.when(k == 0)
     def _init():
@@ -149,19 +182,15 @@ def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_r
                 lo_k, scale_k, lo_v, scale_v = (meta(r) for r in
                                                 (lo_k_ref, scale_k_ref, lo_v_ref, scale_v_ref))
                 lvl_k = _level_values((packed_k >> (bits * s)) & mask, levels)  # [rows, D]
-                raw = jax.lax.dot_general(q_flat, lvl_k, _NT, precision=_HI,
-                                          preferred_element_type=jnp.float32)
-                raw = raw.reshape(n_groups, m_rows, hist_rows)
+                raw = _dot(q_flat, lvl_k, _NT, passes).reshape(n_groups, m_rows, hist_rows)
                 scores = jnp.sum(scale_k[:, None, :] * raw + lo_k[:, None, :] * q_sums, axis=0)
                 scores = jnp.where(valid, scores, -jnp.inf)
                 lvl_v = _level_values((packed_v >> (bits * s)) & mask, levels)
-                lvl_v = jnp.where(valid.reshape(hist_rows, 1), lvl_v, 0.0)
+                lvl_v = jnp.where(valid.reshape(hist_rows, 1), lvl_v, jnp.zeros((), lvl_v.dtype))
 
                 def pv(p, lvl_v=lvl_v, lo_v=lo_v, scale_v=scale_v):
                     weighted = (p[None] * scale_v[:, None, :]).reshape(n_groups * m_rows, hist_rows)
-                    out = jax.lax.dot_general(weighted, lvl_v, _NN, precision=_HI,
-                                              preferred_element_type=jnp.float32)
-                    out = out.reshape(n_groups, m_rows, d)
+                    out = _dot(weighted, lvl_v, _NN, passes).reshape(n_groups, m_rows, d)
                     lo_term = jnp.sum(p[None] * lo_v[:, None, :], axis=-1)[:, :, None]
                     return jnp.sum(jnp.where(group_mask, out + lo_term, 0.0), axis=0)
 
@@ -186,12 +215,12 @@ def _check(name, x, shape, dtype=None):
 
 
 @functools.partial(jax.jit, static_argnames=("sink", "window", "bits", "levels", "softmax_scale",
-                                             "interpret", "block_sizes"))
+                                             "interpret", "config"))
 def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int,
                     window: int, bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool | pltpu.InterpretParams = False,
-                    block_sizes: BlockSizes = BlockSizes()):
+                    config: AttentionConfig = AttentionConfig()):
     """Attention of C appended queries over one layer's mixed cache (DESIGN §1.3).
 
     q_rot f32 [B, C, Hq, D] (rotated by R_K); sink_k/v bf16 [B, Hkv, S0, D];
@@ -234,7 +263,7 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     q = jnp.pad(q, ((0, 0), (0, 0), (0, m_rows - m_real), (0, 0)))
 
     has_sink, has_hist = sink > 0, rows > 0
-    hist_rows = rows if rows <= block_sizes.hist_rows else block_sizes.hist_rows
+    hist_rows = rows if rows <= config.hist_rows else config.hist_rows
     n_blocks = pl.cdiv(rows, hist_rows) if has_hist else 1
     sq = pl.squeezed
 
@@ -264,7 +293,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
 
     kernel = functools.partial(
         _kernel, sink=sink, window=window, bits=bits, levels=tuple(levels), chunk=chunk,
-        hist_rows=hist_rows, n_groups=n_groups, has_sink=has_sink, has_hist=has_hist)
+        hist_rows=hist_rows, n_groups=n_groups, has_sink=has_sink, has_hist=has_hist,
+        passes=config.passes)
     o, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
