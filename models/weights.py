@@ -95,7 +95,7 @@ def build_decoder(cfg: ModelConfig, get: Callable[[str], np.ndarray], fmt: str, 
     filled from the table above, cast to `dtype` and placed with `sharding`.
     """
     graphdef, state = nnx.split(abstract_decoder(cfg, dtype))
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
 
     def fetch(name: str, shape: tuple[int, ...], param: str) -> np.ndarray:
         try:
@@ -118,7 +118,7 @@ def build_decoder(cfg: ModelConfig, get: Callable[[str], np.ndarray], fmt: str, 
     for param, shape in layer_param_shapes(cfg).items():
         pure["layers"][param] = place(np.stack(
             [fetch(checkpoint_name(cfg, param, fmt, i), shape, param) for i in range(cfg.num_layers)]))
-    state.replace_by_pure_dict(pure)
+    nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
 
