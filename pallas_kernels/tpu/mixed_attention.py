@@ -175,6 +175,7 @@ def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_r
             packed_k = codes_k_ref[...].astype(jnp.int32)
             packed_v = codes_v_ref[...].astype(jnp.int32)
             row_ids = k * hist_rows + jax.lax.broadcasted_iota(jnp.int32, (1, hist_rows), 1)
+            row_ids_col = k * hist_rows + jax.lax.broadcasted_iota(jnp.int32, (hist_rows, 1), 0)
             mask = (1 << bits) - 1
             for s in range(tpb):
                 valid = tpb * row_ids + s < n_hist  # [1, rows]; also masks a partial last block
@@ -186,7 +187,7 @@ def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_r
                 scores = jnp.sum(scale_k[:, None, :] * raw + lo_k[:, None, :] * q_sums, axis=0)
                 scores = jnp.where(valid, scores, -jnp.inf)
                 lvl_v = _level_values((packed_v >> (bits * s)) & mask, levels)
-                lvl_v = jnp.where(valid.reshape(hist_rows, 1), lvl_v, jnp.zeros((), lvl_v.dtype))
+                lvl_v = jnp.where(tpb * row_ids_col + s < n_hist, lvl_v, jnp.zeros((), lvl_v.dtype))
 
                 def pv(p, lvl_v=lvl_v, lo_v=lo_v, scale_v=scale_v):
                     weighted = (p[None] * scale_v[:, None, :]).reshape(n_groups * m_rows, hist_rows)
