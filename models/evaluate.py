@@ -267,6 +267,8 @@ def eval_command(
     except registry.ModelNotInstalled as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(1)
+    if tokenizer is None:
+        raise typer.BadParameter(f"--model {model}: no tokenizer found to encode --text")
     if text == "shakespeare":
         eval_text, eval_works = corpus.shakespeare_text("evaluation")
         calib_text, calib_works = corpus.shakespeare_text("calibration")
@@ -285,8 +287,8 @@ def eval_command(
             calibrated = load_layer_params(rotations, decoder.cfg)
             source["calibration"] = f"artifact {rotations}"
         else:
-            console.print(f"no --rotations: calibrating on {calibration_tokens} tokens of "
-                          f"{source['calibration']} first (disjoint from the evaluation text)")
+            console.print(f"no --rotations: calibrating on {calibration_tokens} tokens of the "
+                          f"calibration text first (disjoint from the evaluation text)")
             calibrated = _calibrate(decoder, calib_ids, calibration_tokens, 2048, min(1024, context))
     rows = windows(eval_ids, context, tokens)
     rows = rows[: len(rows) // batch * batch]

