@@ -298,3 +298,17 @@ def test_output_error_matches_oracle_and_value_shaping_helps():
     o, o_hat = (np.einsum("hgqt,thd->hgqd", p, x) for x in (hv[1, 0].astype(np.float64), v_hat))
     np.testing.assert_allclose(errs["shaped"][1], ((o - o_hat) ** 2).sum() / (o ** 2).sum(), rtol=1e-3)
     assert errs["shaped"].mean() < 0.85 * errs["hadamard"].mean(), errs  # measured 0.73
+
+
+def test_non_orthogonal_params_shard_like_rotations():
+    import jax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from oscar_jax.sharding import partition_specs
+    rng = np.random.default_rng(11)
+    st = cal.statistics(stream(*planted(rng, b=1, t=8)[:3], chunks=1))
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    specs = partition_specs(cal.calibrate(st, None, rotation_k="shaped/head", clips="fixed")
+                            .layer_params(), mesh)
+    assert specs.dual_k == specs.rot_k == P(None, "model", None, None)
+    assert specs.dual_v is None  # "uhp" values are orthogonal: no dual carried

