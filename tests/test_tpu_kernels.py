@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 import numpy as np
 import pytest
+# The race detector's result has no public accessor in jax 0.11.2.
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 
 import oscar_jax as oj
@@ -25,7 +26,7 @@ from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.tpu import bulk_write as bw
 from oscar_jax.pallas_kernels.tpu import mixed_attention as ma
 
-ATOL = RTOL = 5e-5  # f32 kernel vs f32 HIGHEST reference over the same bf16/packed cache
+ATOL = RTOL = 5e-5  # 3 bf16 passes (default) vs the f32 HIGHEST reference, same cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ def _draws(config: Config, n: int, seed: int):
 
 
 def _ci_cases():
-    """16 compilations x 4 draws = 64 cases over D 64/128/256, g 1/3/4/8, C 1/7/64,
+    """15 compilations x 4 draws = 60 cases over D 64/128/256, g 1/3/4/8, C 1/7/64,
     bits 2/4/8, G < D and G = D, both codebooks and metadata dtypes, no sink, no history,
     several history blocks with a partial last one."""
     q2, q2g, lm = QuantConfig(), QuantConfig(group_size=32), QuantConfig(codebook="lloyd_max")
@@ -103,8 +104,7 @@ def _ci_cases():
         Config(256, 3, 7, quant=QuantConfig(group_size=64, codebook="lloyd_max",
                                             scale_dtype="float32"), hist=600, hist_rows=128),
         Config(256, 4, 1, hkv=1, batch=4, quant=QuantConfig(group_size=16)),
-        Config(256, 8, 7, hkv=1, quant=q2),
-        Config(64, 8, 7, hkv=1, sink=64, window=32, quant=q2, hist=2048),
+        Config(256, 8, 7, hkv=1, sink=64, window=32, quant=q2, hist=1024),
     ]
     return [case for i, cfg in enumerate(configs) for case in _draws(cfg, 4, i)]
 
@@ -180,21 +180,21 @@ def test_attention_matches_reference(config, lengths, seed):
     _check_attention(*_random_cache(config, lengths, seed), *_implementations(config))
 
 
-@pytest.mark.parametrize("passes,tol", [(1, 3e-2), (2, 2e-3)])
-def test_fewer_bf16_passes_trade_precision(passes, tol):
-    """1 or 2 bf16 MXU passes over the f32 operand: bounded error, larger than 3 passes'."""
+def test_fewer_bf16_passes_trade_precision():
+    """1 and 2 bf16 MXU passes over the f32 operand: bounded error, growing as passes drop."""
     config = Config(128, 4, 7, hist=600, hist_rows=128)
     q, cache, params = _random_cache(config, (640, 200), 11)
-    want_o, want_lse = _implementations(config)[0](q, cache, params)
-    errors = []
-    for p in (passes, 3):
+    reference, three_passes = _implementations(config)
+    want_o, want_lse = reference(q, cache, params)
+    errors = [float(np.abs(np.asarray(three_passes(q, cache, params)[0] - want_o)).max())]
+    for passes, tol in ((2, 2e-3), (1, 3e-2)):
         kernel = attention.kernel_attend(functools.partial(
-            ma.mixed_attention, config=ma.AttentionConfig(128, passes=p)))
+            ma.mixed_attention, config=ma.AttentionConfig(128, passes=passes)))
         o, lse = jax.jit(kernel)(q, cache, params)
         np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=tol, rtol=tol)
         np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), atol=tol, rtol=tol)
-        errors.append(float(np.abs(np.asarray(o) - np.asarray(want_o)).max()))
-    assert errors[0] > errors[1]
+        errors.append(float(np.abs(np.asarray(o - want_o)).max()))
+    assert errors[0] < errors[1] < errors[2], errors
 
 
 @pytest.mark.slow
@@ -214,9 +214,9 @@ def _written_cache(config: Config, lengths, seed):
     offset = rng.standard_normal((1, 1, h, d)) * 2
     kv = lambda n: jnp.asarray(rng.standard_normal((b, n, h, d)) * rng.uniform(0.2, 3, (1, 1, h, d))
                                + offset, jnp.float32)
-    cache = oj.write_prompt(oj.OscarCache.init(config.spec).layer(0), kv(t), kv(t),
-                            jnp.asarray(prompt), params)
-    cache = oj.append(cache, kv(c), kv(c), params)
+    cache = jax.jit(oj.write_prompt)(oj.OscarCache.init(config.spec).layer(0), kv(t), kv(t),
+                                     jnp.asarray(prompt), params)
+    cache = jax.jit(oj.append)(cache, kv(c), kv(c), params)
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
     q = jnp.asarray(rng.standard_normal((b, c, h * config.g, d)), jnp.float32)
     return q, cache, params
@@ -271,6 +271,40 @@ def test_hbm_operands_are_the_packed_cache_arrays():
             assert max(aval.shape) < t_hist, f"float operand {aval} spans the history"
     assert not any(jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.shape[-2:] == (t_hist, d)
                    for v in eqn.invars)
+
+
+LOWERING = [Config(64, 3, 7, quant=QuantConfig(group_size=32)), Config(128, 4, 1),
+            Config(256, 8, 64, quant=QuantConfig(codebook="lloyd_max")),
+            Config(128, 1, 7, sink=0, quant=QuantConfig(bits=4, scale_dtype="float32")),
+            Config(128, 4, 7, hist=0), Config(128, 4, 7, hist=1100, hist_rows=128,
+                                              quant=QuantConfig(bits=8, group_size=64))]
+
+
+@pytest.mark.parametrize("config,chip", [(c, ("TPU v5e", "TPU v6e")[i % 2])
+                                         for i, c in enumerate(LOWERING)], ids=str)
+def test_kernels_lower_to_mosaic(config, chip):
+    """Pallas's Mosaic lowering (jax side, no TPU compiler) accepts both kernels for the
+    chip; what the TPU compiler would say about vector layouts is not checked here."""
+    q, cache, params = _random_cache(config, (config.max_len,) * config.batch, 0)
+    spec = config.spec
+    attend_kernel = functools.partial(
+        ma.mixed_attention, sink=spec.sink, window=spec.window, bits=spec.quant.bits,
+        levels=spec.quant.levels, softmax_scale=0.1, interpret=False,
+        config=ma.AttentionConfig(config.hist_rows or 2048))
+    args = (q, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
+            cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
+            cache.recent_k, cache.recent_v, cache.lengths)
+    x = jnp.zeros((config.batch, 1024, config.hkv, config.d), jnp.bfloat16)
+    write = functools.partial(
+        bw.bulk_write, bits=spec.quant.bits, group_size=spec.quant.group_size,
+        levels=spec.quant.levels, codebook=spec.quant.codebook, lloyd_max_span=LLOYD_MAX_SPAN,
+        scale_dtype=spec.quant.scale_dtype, block_sizes=bw.WriteBlockSizes(512))
+    device = jax.sharding.AbstractDevice(device_kind=chip, num_cores=1, platform="tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=device)):
+        for fn, fn_args in ((attend_kernel, args), (write, (x, params.rot_k, params.clip_k))):
+            text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text
 
 
 def test_interpret_flag_maps_to_checked_interpret_mode():
