@@ -30,8 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from oscar_jax import attention, cache as oc, quant, rotation
+from oscar_jax import attention, cache as oc, quant, rotation, sharding
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
 from oscar_jax.config import bits_per_element as bpe_formula
 
@@ -395,6 +396,33 @@ def bits_per_element(state: KVState) -> float:
         raise ValueError("bits_per_element: the KV state holds no tokens")
     totals = [_group_bits(g, n) for g in state.groups.values()]
     return sum(b for b, _ in totals) / sum(e for _, e in totals)
+
+
+def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, str] | None = None) -> KVState:
+    """NamedSharding pytree for a KV state on `mesh`: batch -> "data", KV heads ->
+    "model" (replicated where they do not divide), via `oscar_jax.sharding`'s rules;
+    dense/KIVI caches [L, B, Hkv, T, D] follow the same rules."""
+    rules = sharding.DEFAULT_RULES if rules is None else rules
+
+    def axis(name: str, size: int):
+        m = rules.get(name)
+        return m if m is not None and m in mesh.shape and size % mesh.shape[m] == 0 else None
+
+    def named(spec):
+        return jax.sharding.NamedSharding(mesh, spec)
+
+    def group(g):
+        if isinstance(g, OscarGroup):
+            return dataclasses.replace(g, cache=sharding.shardings(g.cache, mesh, rules),
+                                       params=sharding.shardings(g.params, mesh, rules))
+        if isinstance(g, oc.RingCache):
+            return sharding.shardings(g, mesh, rules)
+        _, b, h, _, _ = g.k.shape
+        kv = named(P(None, axis("batch", b), axis("kv_heads", h), None, None))
+        return dataclasses.replace(g, k=kv, v=kv, lengths=named(P(None, axis("batch", b))))
+
+    b = state.lengths.shape[0]
+    return KVState({kind: group(g) for kind, g in state.groups.items()}, named(P(axis("batch", b))))
 
 
 def nbytes(state: KVState) -> int:
