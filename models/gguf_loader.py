@@ -13,7 +13,6 @@ import json
 import os
 from pathlib import Path
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +20,14 @@ import numpy as np
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder
 from oscar_jax.models.weights import build_decoder
+
+
+def import_gguf():
+    """The `gguf` package, imported on first use so that random-weight runs work on
+    machines without it (the GPU image has no gguf)."""
+    import gguf
+
+    return gguf
 
 
 def cache_dir() -> Path:
@@ -49,7 +56,7 @@ def read_config(path: str | Path) -> ModelConfig:
     cached = cached_file(path, ".config.json")
     if cached.exists():
         return ModelConfig.from_dict(json.loads(cached.read_text()))
-    cfg = ModelConfig.from_gguf(gguf.GGUFReader(str(path)))
+    cfg = ModelConfig.from_gguf(import_gguf().GGUFReader(str(path)))
     write_atomic(cached, lambda tmp: tmp.write_text(json.dumps(cfg.to_dict())))
     return cfg
 
@@ -61,6 +68,7 @@ def dequantised_tensors(path: str | Path, *, use_cache: bool = True) -> dict[str
     cached = cached_file(path, ".f32.safetensors")
     if use_cache and cached.exists():
         return load_file(str(cached))
+    gguf = import_gguf()
     reader = gguf.GGUFReader(str(path))
     tensors = {t.name: np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
                for t in reader.tensors}
