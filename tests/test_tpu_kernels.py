@@ -187,7 +187,7 @@ def test_fewer_bf16_passes_trade_precision():
     reference, three_passes = _implementations(config)
     want_o, want_lse = reference(q, cache, params)
     errors = [float(np.abs(np.asarray(three_passes(q, cache, params)[0] - want_o)).max())]
-    for passes, tol in ((2, 2e-3), (1, 3e-2)):
+    for passes, tol in ((2, 2e-4), (1, 2e-2)):
         kernel = attention.kernel_attend(functools.partial(
             ma.mixed_attention, config=ma.AttentionConfig(128, passes=passes)))
         o, lse = jax.jit(kernel)(q, cache, params)
