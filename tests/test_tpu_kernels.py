@@ -21,9 +21,10 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
 
 import oscar_jax as oj
 from oscar_jax import attention, quant
-from oscar_jax.config import LLOYD_MAX_SPAN, CacheSpec, QuantConfig
+from oscar_jax.config import LLOYD_MAX_SPAN, CacheSpec, QuantConfig, bits_per_element
 from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.tpu import bulk_write as bw
+from oscar_jax.pallas_kernels.tpu import cost_model as cm
 from oscar_jax.pallas_kernels.tpu import mixed_attention as ma
 
 ATOL = RTOL = 5e-5  # 3 bf16 passes (default) vs the f32 HIGHEST reference, same cache
@@ -416,3 +417,16 @@ def test_bulk_write_equals_cache_write_prompt_history():
                                    rtol=2 ** -7, atol=1e-3)
         np.testing.assert_allclose(np.asarray(scale, np.float32),
                                    np.asarray(ref.scale, np.float32), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("d,g,bits,meta,t", [
+    (128, None, 2, "bfloat16", 131072), (64, None, 2, "bfloat16", 8192),
+    (128, 32, 4, "float32", 5000), (256, 64, 8, "bfloat16", 2048)])
+def test_cost_model_bits_match_the_cache_formula(d, g, bits, meta, t):
+    """The bytes model's implied bits/element equals DESIGN §1.2's formula (no padding)."""
+    shape = cm.DecodeShape("t", 2, 3, d, t, bits=bits, group_size=g,
+                           meta_bytes=jnp.dtype(meta).itemsize)
+    spec = CacheSpec(1, 1, 3, d, t, quant=QuantConfig(bits=bits, group_size=g, scale_dtype=meta))
+    assert cm.bits_per_element(shape) == pytest.approx(bits_per_element(spec, t), rel=1e-12)
+    padded = dataclasses.replace(shape, meta_padding=4)
+    assert cm.bytes_per_step(padded) > cm.bytes_per_step(shape)
