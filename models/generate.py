@@ -88,6 +88,7 @@ def prefill(model: Decoder, kv: kv_policy.KVState, tokens, lengths) -> tuple[jax
     if n.shape != (b,) or n.min() < 1 or n.max() > tokens.shape[1]:
         raise ValueError(f"lengths={n.tolist()}: expected [B={b}] ints in [1, T={tokens.shape[1]}]")
     _check_vocab(model, tokens)
+    kv_policy.check_fits(kv, n)
     return _prefill(model, kv, tokens, lengths)
 
 
@@ -108,12 +109,16 @@ def extend(model: Decoder, kv: kv_policy.KVState, tokens) -> tuple[jax.Array, kv
     if tokens.ndim != 2 or tokens.shape[0] != b:
         raise ValueError(f"tokens.shape={tokens.shape}: expected [B={b}, C]")
     _check_vocab(model, tokens)
+    kv_policy.check_fits(kv, np.asarray(kv.lengths) + tokens.shape[1])
     return _extend(model, kv, tokens)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",), static_argnames=("sampling",))
 def decode_step(model: Decoder, kv, tokens, key, sampling: Sampling = Sampling()):
-    """One decode step: tokens int32 [B] enter the cache; returns (next int32 [B], logits [B, V], kv)."""
+    """One decode step: tokens int32 [B] enter the cache; returns (next int32 [B], logits [B, V], kv).
+
+    No host check per step: past `kv_policy.capacity` a dense cache drops the token and
+    an OSCAR cache flags `overflow`; `decode` checks the whole loop up front."""
     with jax.named_scope("decode_step"):
         logits, kv = _step_logits(model, kv, tokens[:, None])
     return sample(logits[:, 0], key, sampling), logits[:, 0], kv
@@ -159,6 +164,7 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
     if first.shape != kv.lengths.shape:
         raise ValueError(f"first.shape={first.shape}: expected [B={kv.lengths.shape[0]}]")
+    kv_policy.check_fits(kv, np.asarray(kv.lengths) + max_new_tokens - 1)
     return _decode(model, kv, first, key, _eos_array(eos_ids), max_new_tokens, sampling)
 
 

@@ -398,6 +398,26 @@ def bits_per_element(state: KVState) -> float:
     return sum(b for b, _ in totals) / sum(e for _, e in totals)
 
 
+def capacity(state: KVState) -> int | None:
+    """The most tokens a sequence of this state can hold (None: unbounded, rings only)."""
+    caps = []
+    for g in state.groups.values():
+        if isinstance(g, OscarGroup):
+            caps.append(g.cache.spec.max_len)
+        elif not isinstance(g, oc.RingCache):
+            caps.append(g.k.shape[3])
+    return min(caps) if caps else None
+
+
+def check_fits(state: KVState, new_lengths: np.ndarray) -> None:
+    """Raise if any sequence would hold more than `capacity(state)` tokens."""
+    cap = capacity(state)
+    new_lengths = np.asarray(new_lengths)
+    if cap is not None and new_lengths.max() > cap:
+        raise ValueError(f"sequences would reach {new_lengths.tolist()} tokens; this KV state holds at "
+                         f"most {cap} (raise max_len in init_state)")
+
+
 def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, str] | None = None) -> KVState:
     """NamedSharding pytree for a KV state on `mesh`: batch -> "data", KV heads ->
     "model" (replicated where they do not divide), via `oscar_jax.sharding`'s rules;

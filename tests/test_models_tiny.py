@@ -251,6 +251,10 @@ def test_bad_inputs_raise_clear_errors(gemma_like):
         gen.prefill(gemma_like, kv, np.full((2, 4), 97, np.int32), np.array([4, 2]))
     with pytest.raises(ValueError, match="tokens.shape"):
         gen.extend(gemma_like, kv, np.ones((3, 2), np.int32))
+    with pytest.raises(ValueError, match="holds at most 16"):
+        gen.extend(gemma_like, kv, np.ones((2, 17), np.int32))
+    with pytest.raises(ValueError, match="holds at most 16"):
+        gen.decode(gemma_like, kv, np.ones((2,), np.int32), jax.random.key(0), max_new_tokens=18)
     with pytest.raises(ValueError, match="kv="):
         kv_policy.make_policy("int3")
     with pytest.raises(ValueError, match="model_type"):
