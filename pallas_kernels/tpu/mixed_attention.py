@@ -10,7 +10,7 @@ block, the last step folds in the recent ring and writes (o, lse).
 History scores use the integer trick of DESIGN §3, per group of G channels:
   q . x_hat = scale * (q . level[code]) + lo * sum(q)
 so the MXU multiplies the queries by small integer levels and the per-token
-scale/lo are applied to the [rows, tokens] score tile; values likewise:
+scale/lo are applied to the [query rows, tokens] score tile; values likewise:
   sum_t p_t x_hat_t = (p * scale) @ level[codes] + sum_t p_t lo_t.
 The packed codes and metadata are the only history bytes read from HBM; no
 dequantised [T, D] tile is ever formed.
