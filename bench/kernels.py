@@ -1,0 +1,305 @@
+"""Time the GPU Pallas kernels against bf16 attention baselines, all in one run.
+
+Decode attention (C = 1 query per sequence, full-length rows) over the OSCAR
+cache (2-bit uniform codes, G = D, bf16 metadata, S0 = 64, W = 256) for the
+shapes of issue 5, beside: JAX cuDNN bf16 (`jax.nn.dot_product_attention(...,
+implementation="cudnn")`), torch SDPA bf16 with the flash backend
+(`enable_gqa=True`), XLA bf16 (`implementation="xla"`) and the XLA reference
+over the OSCAR cache (dequantise in XLA, then attend). Also the bulk
+rotate-quantise-pack kernel. Timing: median of >= 50 repetitions after warm-up,
+device-synchronised; each timed group runs the op over enough distinct input
+copies (>= 3 x L2 in total) that no copy is served from L2, and the group time
+is divided by the number of copies. GB/s counts the bytes each op must read.
+
+Run on a GPU:  python bench/kernels.py --tune --shapes 2,0,1,3,4,5,6 --out bench/results/kernels_h200.json
+(--tune first sweeps BlockSizes on the first shape and uses the fastest for all.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from oscar_jax import attention  # noqa: E402
+from oscar_jax import cache as cache_lib  # noqa: E402
+from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element  # noqa: E402
+from oscar_jax.pallas_kernels.gpu import mixed_attention, quantize_pack  # noqa: E402
+
+L2_BYTES = 60 * 2**20  # H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    seq: int
+
+
+SHAPES = [
+    Shape("B8 H32/8 D128 S8K", 8, 32, 8, 128, 8192),
+    Shape("B8 H32/8 D128 S32K", 8, 32, 8, 128, 32768),
+    Shape("B8 H32/8 D128 S128K", 8, 32, 8, 128, 131072),
+    Shape("B1 H32/8 D128 S128K", 1, 32, 8, 128, 131072),
+    Shape("B32 H32/8 D128 S32K", 32, 32, 8, 128, 32768),
+    Shape("SmolLM2 B8 H9/3 D64 S8K", 8, 9, 3, 64, 8192),
+    Shape("Gemma3 B8 H4/1 D256 S32K", 8, 4, 1, 256, 32768),
+]
+
+
+def time_group(fn, copies, reps: int, warmup: int = 3) -> float:
+    """Median seconds per call of fn over `copies` (a list of argument tuples), device-synchronised."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(copies))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(copies))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / len(copies)
+
+
+def torch_time(fn, copies, reps: int, warmup: int = 3) -> float:
+    import torch
+
+    for _ in range(warmup):
+        for c in copies:
+            fn(*c)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for c in copies:
+            fn(*c)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times)) / len(copies)
+
+
+def unrolled(op):
+    """jit of: run op on every copy (a static unroll, so each copy is its own buffer)."""
+
+    @jax.jit
+    def run(copies):
+        return [op(*c) for c in copies]
+
+    return run
+
+
+def build_oscar(shape: Shape, key, blocks=None):
+    spec = CacheSpec(1, shape.batch, shape.kv_heads, shape.head_dim, shape.seq + 1, 64, 256,
+                     QuantConfig(2))
+    d = shape.head_dim
+    rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0], jnp.float32)
+    params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=shape.kv_heads).layer(0)
+    kk, kv = jax.random.split(key)
+    x_shape = (shape.batch, shape.seq, shape.kv_heads, d)
+    k = jax.random.normal(kk, x_shape, jnp.bfloat16)
+    v = jax.random.normal(kv, x_shape, jnp.bfloat16)
+    write = jax.jit(functools.partial(cache_lib.write_prompt, implementation="pallas"))
+    cache = write(cache_lib.OscarCache.init(spec).layer(0), k, v,
+                  jnp.full((shape.batch,), shape.seq, jnp.int32), params)
+    return cache, params, k, v
+
+
+def oscar_bytes(shape: Shape) -> int:
+    """Bytes the kernel must read per call: codes + metadata of the history, bf16 sink + ring."""
+    n_hist = shape.seq - 64 - 256
+    per_head = n_hist * shape.head_dim // 4 + 2 * n_hist * 2 + (64 + 256) * shape.head_dim * 2
+    return 2 * shape.batch * shape.kv_heads * per_head
+
+
+def read_ceiling(reps: int) -> dict:
+    """Read bandwidth of an XLA sum over 4 GiB of bf16 and a device-to-device copy (r + w)."""
+    x = jax.random.normal(jax.random.key(1), (2**31 // 2, 2), jnp.bfloat16)
+    nbytes = x.size * 2
+    t_sum = time_group(unrolled(lambda a: jnp.sum(a, dtype=jnp.float32)), [(x,)], reps)
+    t_copy = time_group(unrolled(lambda a: a + 1), [(x,)], reps)
+    del x
+    return {"xla_sum_read_GBps": nbytes / t_sum / 1e9, "copy_read_write_GBps": 2 * nbytes / t_copy / 1e9}
+
+
+def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) -> dict:
+    key = jax.random.key(hash(shape.name) % 2**31)
+    cache, params, k, v = build_oscar(shape, key)
+    q = jax.random.normal(jax.random.key(2), (shape.batch, 1, shape.q_heads, shape.head_dim), jnp.bfloat16)
+    oscar_nbytes = oscar_bytes(shape)
+    bf16_nbytes = 2 * k.size * 2
+    n_copies = lambda nbytes: max(2, min(16, math.ceil(3 * L2_BYTES / nbytes)))
+    fn = attention.kernel_attend(functools.partial(mixed_attention.mixed_attention, block_sizes=blocks))
+    oscar_copies = [(q, cache) for cache in [cache] + [jax.tree.map(jnp.copy, cache)
+                                                       for _ in range(n_copies(oscar_nbytes) - 1)]]
+    row = {"shape": dataclasses.asdict(shape), "bits_per_element": bits_per_element(cache.spec, shape.seq),
+           "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes}
+    t = time_group(unrolled(lambda qq, c: fn(qq, c, params)), oscar_copies, reps)
+    row["oscar_ms"] = t * 1e3
+    row["oscar_GBps"] = oscar_nbytes / t / 1e9
+    if not baselines:
+        return row
+    row["xla_dequant_ms"] = time_group(
+        unrolled(lambda qq, c: attention.attend(qq, c, params, implementation="xla")),
+        oscar_copies[:2], max(5, reps // 10)) * 1e3
+    del oscar_copies, cache
+    bf16_copies = [(q, k, v)] + [(q, jnp.copy(k), jnp.copy(v)) for _ in range(n_copies(bf16_nbytes) - 1)]
+    for impl in ("cudnn", "xla"):
+        try:
+            t = time_group(unrolled(functools.partial(jax.nn.dot_product_attention, implementation=impl)),
+                           bf16_copies, reps)
+            row[f"jax_{impl}_ms"] = t * 1e3
+            row[f"jax_{impl}_GBps"] = bf16_nbytes / t / 1e9
+        except Exception as e:  # noqa: BLE001 - record why a baseline cannot run here
+            row[f"jax_{impl}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        tq = lambda x: torch.from_dlpack(x).transpose(1, 2)  # [B, S, H, D] -> [B, H, S, D] view
+        t_copies = [(tq(qq), tq(kk), tq(vv)) for qq, kk, vv in bf16_copies]
+
+        def sdpa(a, b_, c):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(a, b_, c, enable_gqa=True)
+
+        t = torch_time(sdpa, t_copies, reps)
+        row["torch_flash_ms"] = t * 1e3
+        row["torch_flash_GBps"] = bf16_nbytes / t / 1e9
+        del t_copies
+    except Exception as e:  # noqa: BLE001
+        row["torch_flash_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for base in ("jax_cudnn", "torch_flash", "jax_xla"):
+        if f"{base}_ms" in row:
+            row[f"speedup_vs_{base}"] = row[f"{base}_ms"] / row["oscar_ms"]
+    row["speedup_vs_xla_dequant"] = row["xla_dequant_ms"] / row["oscar_ms"]
+    return row
+
+
+def bench_write(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> dict:
+    """The bulk kernel on [B, T, Hkv, D] bf16: bytes = x read + codes and metadata written."""
+    x = [jax.random.normal(jax.random.key(i), (batch, seq, kv_heads, d), jnp.bfloat16) for i in range(2)]
+    rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((kv_heads, d, d)))[0], jnp.float32)
+    op = functools.partial(quantize_pack.quantize_pack, rot=rot, clip=0.96, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
+                           group_size=d, span=None, scale_dtype=jnp.bfloat16)
+    t = time_group(unrolled(lambda a: op(a)), [(a,) for a in x], reps)
+    nbytes = x[0].size * 2 + x[0].size // 4 + 2 * 2 * batch * seq * kv_heads
+    return {"shape": [batch, seq, kv_heads, d], "ms": t * 1e3, "bytes": nbytes, "GBps": nbytes / t / 1e9}
+
+
+def tune(shape: Shape, reps: int) -> list[dict]:
+    """Kernel-only time of mixed_attention over a grid of BlockSizes for one shape, fastest first."""
+    cache, params, _, _ = build_oscar(shape, jax.random.key(0))
+    q = jax.random.normal(jax.random.key(2), (shape.batch, 1, shape.q_heads, shape.head_dim), jnp.bfloat16)
+    copies = [(q, cache), (q, jax.tree.map(jnp.copy, cache))]
+    grid = [dict(block_rows=r, target_programs=t, num_warps=w) for r in (32, 64, 128)
+            for t in (4096, 8192, 16384) for w in (4, 8)]
+    rows = []
+    for kw in grid:
+        bs = mixed_attention.BlockSizes(**kw)
+        fn = attention.kernel_attend(functools.partial(mixed_attention.mixed_attention, block_sizes=bs))
+        try:
+            t = time_group(unrolled(lambda qq, c, fn=fn: fn(qq, c, params)), copies, reps)
+            rows.append({**dataclasses.asdict(bs), "ms": t * 1e3, "GBps": oscar_bytes(shape) / t / 1e9})
+        except Exception as e:  # noqa: BLE001 - a config Triton cannot compile
+            rows.append({**dataclasses.asdict(bs), "error": f"{type(e).__name__}: {str(e)[:160]}"})
+        print(json.dumps(rows[-1]), flush=True)
+    return sorted(rows, key=lambda r: r.get("ms", math.inf))
+
+
+def tune_write(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> list[dict]:
+    x = [jax.random.normal(jax.random.key(i), (batch, seq, kv_heads, d), jnp.bfloat16) for i in range(2)]
+    rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((kv_heads, d, d)))[0], jnp.float32)
+    nbytes = x[0].size * 2 + x[0].size // 4 + 2 * 2 * batch * seq * kv_heads
+    rows = []
+    for block_rows in (16, 32, 64):
+        for warps in (4, 8):
+            bs = quantize_pack.BlockSizes(block_rows=block_rows, num_warps=warps)
+            op = functools.partial(quantize_pack.quantize_pack, rot=rot, clip=0.96, bits=2,
+                                   levels=(0.0, 1.0, 2.0, 3.0), group_size=d, span=None,
+                                   scale_dtype=jnp.bfloat16, block_sizes=bs)
+            t = time_group(unrolled(lambda a, op=op: op(a)), [(a,) for a in x], reps)
+            rows.append({**dataclasses.asdict(bs), "ms": t * 1e3, "GBps": nbytes / t / 1e9})
+            print(json.dumps(rows[-1]), flush=True)
+    return sorted(rows, key=lambda r: r["ms"])
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Decode attention, C = 1, {result['device']}, jax {result['jax']}, "
+             f"torch {result.get('torch', 'n/a')}; `{result['command']}`", "",
+             "| shape | bpe | OSCAR ms | OSCAR GB/s | cuDNN ms | torch flash ms | XLA bf16 ms | "
+             "XLA dequant ms | x cuDNN | x torch | x XLA dequant |", "|" + "---|" * 11]
+    f = lambda r, k: f"{r[k]:.3f}" if k in r else "n/a"
+    for r in result["attention"]:
+        lines.append(f"| {r['shape']['name']} | {r['bits_per_element']:.2f} | {f(r, 'oscar_ms')} | "
+                     f"{r['oscar_GBps']:.0f} | {f(r, 'jax_cudnn_ms')} | {f(r, 'torch_flash_ms')} | "
+                     f"{f(r, 'jax_xla_ms')} | {f(r, 'xla_dequant_ms')} | "
+                     f"{f(r, 'speedup_vs_jax_cudnn')} | {f(r, 'speedup_vs_torch_flash')} | "
+                     f"{f(r, 'speedup_vs_xla_dequant')} |")
+    c = result["ceiling"]
+    w = result["write"]
+    lines += ["", f"Read ceiling: XLA sum {c['xla_sum_read_GBps']:.0f} GB/s; copy (read + write) "
+              f"{c['copy_read_write_GBps']:.0f} GB/s.",
+              f"Bulk rotate-quantise-pack {w['shape']}: {w['ms']:.3f} ms, {w['GBps']:.0f} GB/s "
+              f"({100 * w['GBps'] / c['copy_read_write_GBps']:.0f}% of the copy bandwidth)."]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON path; a .md table is written beside it")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--shapes", default="all", help="comma-separated indices into SHAPES, or 'all'")
+    p.add_argument("--tune", action="store_true",
+                   help="sweep BlockSizes on the first shape, then compare with the fastest")
+    args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        sys.exit("bench/kernels.py needs a GPU")
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    blocks, tuning = None, None
+    if args.tune:  # sweep on the first shape, then compare every shape with the fastest setting
+        tuning = {"shape": shapes[0].name, "attention": tune(shapes[0], args.reps),
+                  "write": tune_write(args.reps)}
+        best = {k: v for k, v in tuning["attention"][0].items() if k not in ("ms", "GBps")}
+        blocks = mixed_attention.BlockSizes(**best)
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "python": platform.python_version(), "command": " ".join(["python"] + sys.argv),
+              "reps": args.reps, "cache": "2-bit uniform, G=D, bf16 metadata, S0=64, W=256"}
+    try:
+        import torch
+        result["torch"] = torch.__version__
+    except ImportError:
+        pass
+    result["tuning"] = tuning
+    result["block_sizes"] = dataclasses.asdict(blocks or mixed_attention.BlockSizes())
+    result["ceiling"] = read_ceiling(args.reps)
+    result["write"] = bench_write(args.reps)
+    result["attention"] = []
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    for shape in shapes:
+        result["attention"].append(bench_shape(shape, args.reps, blocks))
+        print(json.dumps(result["attention"][-1]), flush=True)
+        with open(args.out, "w") as f:  # after every shape, so a cut-off run keeps what it measured
+            json.dump(result, f, indent=1)
+    table = markdown(result)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,389 @@
+"""Fused attention of C new queries over the mixed OSCAR cache (DESIGN §1.3, §3).
+
+Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
+
+One program per (batch row b, KV head h, query block, split). Splits
+0..S-1 cover the packed history along the sequence (flash-decoding); split S
+covers the bf16 sink and recent ring. Every program returns a normalised
+partial output and its log-sum-exp; `merge_splits` combines them exactly in
+XLA. All g query heads and C queries of a KV head are the rows of one query
+block, so each packed code byte is read once per query block.
+
+History arithmetic never materialises dequantised keys or values:
+  q·k̂ = scale·(q·level[code]) + lo·Σq          (per group of G channels)
+  Σ p·v̂ = (p∘scale)·level[codes] + Σ p·lo
+Codes become bf16 operands with one OR: the 16-bit pattern 0x4300 | code is
+the bf16 number 128 + code, so the offset 128·Σq (and 128·Σ p∘scale) is
+subtracted on the small score / row-sum tiles. Non-uniform codebooks
+(Lloyd-Max) map codes to integer multiples of their levels instead (exact in
+bf16), with the multiplier folded into scale. Programs stop at each row's own
+history length, so short sequences of a ragged batch skip the blocks past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_BF16_128 = 0x4300  # bf16 bit pattern of 128.0; OR-ing a code < 128 into it gives 128 + code
+_CODE_OFFSET = 128.0
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of the mixed-attention kernel.
+
+    block_rows: packed history rows per inner step (tokens_per_byte * block_rows tokens).
+    block_dense: bf16 sink / recent tokens per inner step.
+    block_q: most query rows (g * C, padded to a power of two >= 16) per program.
+    num_splits: history splits per (row, KV head); None: enough splits that the
+      grid has about `target_programs` programs.
+    inline_asm: unpack 2-bit uniform codes with one PTX block per 4 bytes (compiled
+      GPU runs only; interpret mode always uses the jnp bit operations).
+    """
+
+    block_rows: int = 64
+    block_dense: int = 64
+    block_q: int = 64
+    num_splits: int | None = None
+    target_programs: int = 8192
+    num_warps: int = 4
+    num_stages: int = 2
+    inline_asm: bool = True
+
+    def __post_init__(self):
+        for name in ("block_rows", "block_dense", "block_q"):
+            v = getattr(self, name)
+            if not _is_pow2(v) or v < 16:
+                raise ValueError(f"BlockSizes.{name}={v}: expected a power of two >= 16")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"BlockSizes.num_splits={self.num_splits}: expected None or >= 1")
+
+
+def level_encoding(levels: tuple[float, ...]) -> tuple[int, float] | None:
+    """(multiplier m, offset) such that m * level[k] are small integers exact in bf16.
+
+    Uniform levels 0..L-1 use m = 1 and the 0x4300 | code trick (offset 128);
+    others need an integer multiple (Lloyd-Max [0, 1.05, 1.95, 3] -> m = 20, offset 0).
+    None when no multiplier up to 64 makes every level an integer <= 256.
+    """
+    if levels == tuple(float(i) for i in range(len(levels))) and len(levels) <= 128:
+        return 1, _CODE_OFFSET
+    for m in range(1, 65):
+        scaled = [lv * m for lv in levels]
+        if all(abs(x - round(x)) < 1e-6 and 0 <= round(x) <= 256 for x in scaled):
+            return m, 0.0
+    return None
+
+
+# One PTX instance turns 4 packed bytes (4 channels x 4 tokens) into the bf16
+# operands 128 + code of one token slice: shift the slice's bits down, let prmt
+# spread bytes 0,1 (and 2,3) into the two 16-bit halves of a word, then one lop3
+# ((x & 0x00030003) | 0x43004300) per word gives two bf16 values.
+_UNPACK2_ASM = """{{
+.reg .b32 t, a, b, z;
+mov.b32 z, 0;
+shr.u32 t, $2, {shift};
+prmt.b32 a, t, z, 0x4140;
+prmt.b32 b, t, z, 0x4342;
+lop3.b32 $0, a, 0x00030003, 0x43004300, 0xea;
+lop3.b32 $1, b, 0x00030003, 0x43004300, 0xea;
+}}"""
+
+
+def _uniform2_slices(codes_u8: jax.Array) -> list[jax.Array]:
+    """GPU fast path, 2-bit uniform codes: uint8 [R, G] -> 4 bf16 [R, G] slices of 128 + code."""
+    out = jax.ShapeDtypeStruct(codes_u8.shape, jnp.bfloat16)
+    return [plgpu.elementwise_inline_asm(_UNPACK2_ASM.format(shift=2 * s), args=[codes_u8],
+                                         constraints="=r,=r,r", pack=4, result_shape_dtypes=[out])[0]
+            for s in range(4)]
+
+
+def _slices(codes_u8: jax.Array, bits: int, levels, mult: int, fast: bool) -> list[jax.Array]:
+    """uint8 [R, G] packed codes -> tpb bf16 [R, G] slices holding offset + mult * level[code]."""
+    if fast and bits == 2 and mult == 1:
+        return _uniform2_slices(codes_u8)
+    codes = codes_u8.astype(jnp.uint16)
+    return [_level_values(codes, bits * s, bits, levels, mult) for s in range(8 // bits)]
+
+
+def _level_values(codes: jax.Array, shift: int, bits: int, levels, mult: int) -> jax.Array:
+    """codes uint16 [R, G] (packed bytes) -> bf16 [R, G]: offset + mult * level of slice `shift`."""
+    code = (codes >> shift) & ((1 << bits) - 1)
+    if mult == 1 and levels == tuple(float(i) for i in range(len(levels))):
+        return lax.bitcast_convert_type(code | _BF16_128, jnp.bfloat16)
+    code = code.astype(jnp.int32)
+    val = jnp.full(code.shape, round(levels[0] * mult), jnp.int32)
+    for k in range(1, len(levels)):
+        step = round(levels[k] * mult) - round(levels[k - 1] * mult)
+        val = val + jnp.where(code >= k, step, 0)
+    return val.astype(jnp.float32).astype(jnp.bfloat16)
+
+
+def _dot(a, b, contract_b: int, exact_f32: bool):
+    """a [M, K] bf16 times b ([N, K] if contract_b == 1 else [K, N]) bf16 -> f32 [M, N].
+
+    exact_f32 widens the (bf16-valued) operands first: XLA:CPU, which runs the
+    kernel in interpret mode, may accumulate large bf16 dots in bf16, which the
+    128 + code offset cannot survive; the GPU MMA accumulates in f32.
+    """
+    if exact_f32:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=lax.Precision.HIGHEST if exact_f32 else None)
+
+
+def _online_update(state, scores, values_fn):
+    """One online-softmax step. scores: list of f32 [BM, N] (masked with -inf);
+    values_fn(p_list) -> list (per group) of f32 [BM, G] to add to the accumulators."""
+    m, l, acc = state
+    m_new = m
+    for s in scores:
+        m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_use)
+    ps = [jnp.exp(s - m_use[:, None]) for s in scores]
+    l = l * alpha
+    for p in ps:
+        l = l + jnp.sum(p, axis=1)
+    add = values_fn(ps)
+    acc = tuple(a * alpha[:, None] + x for a, x in zip(acc, add))
+    return m_new, l, acc
+
+
+def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref,
+            lo_k_ref, scale_k_ref, lo_v_ref, scale_v_ref, recent_k_ref, recent_v_ref,
+            o_ref, lse_ref, *, g, c, sink, window, bits, levels, mult, offset, num_groups,
+            hist_rows, split_rows, num_hist_splits, blocks: BlockSizes, interpret: bool):
+    b, h, mb, split = (pl.program_id(i) for i in range(4))
+    bm, d = q_ref.shape
+    gs = d // num_groups
+    tpb = 8 // bits
+    n = lengths_ref[b]
+    rows = mb * bm + jnp.arange(bm)
+    q_pos = n - c + rows // g  # [BM] position of each query row
+
+    def init():
+        return (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
+                tuple(jnp.zeros((bm, gs), jnp.float32) for _ in range(num_groups)))
+
+    def finish(state):
+        m, l, acc = state
+        safe_l = jnp.where(l > 0, l, 1.0)
+        for gi, a in enumerate(acc):
+            o_ref[:, pl.ds(gi * gs, gs)] = a / safe_l[:, None]
+        lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+
+    @pl.when(split < num_hist_splits)
+    def _history():
+        n_hist = jnp.clip(n - window - sink, 0, hist_rows * tpb)
+        valid_rows = (n_hist + tpb - 1) // tpb
+        r_begin = split * split_rows
+        r_end = jnp.minimum(r_begin + split_rows, valid_rows)
+        steps = jnp.maximum(r_end - r_begin + blocks.block_rows - 1, 0) // blocks.block_rows
+        br = blocks.block_rows
+        # Per group: query slice (bf16 MMA operand), its exact sum and the sum of its bf16 copy.
+        qg = [q_ref[:, pl.ds(gi * gs, gs)] for gi in range(num_groups)]
+        qg_bf = [x.astype(jnp.bfloat16) for x in qg]
+        q_sum = [jnp.sum(x, axis=1) for x in qg]
+        q_bf_sum = [jnp.sum(x.astype(jnp.float32), axis=1) for x in qg_bf]
+
+        def load_codes(i):
+            """Packed K and V code tiles (uint8 [BR, G] per group) of step i."""
+            r0 = r_begin + i * br
+            ok = (r0 + jnp.arange(br) < r_end)[:, None]
+            return tuple(tuple(plgpu.load(ref.at[b, h, pl.ds(r0, br), pl.ds(gi * gs, gs)], mask=ok, other=0)
+                               for gi in range(num_groups)) for ref in (codes_k_ref, codes_v_ref))
+
+        def step(i, state):
+            packed_k, packed_v = load_codes(i)
+            r0 = r_begin + i * br
+            row_ids = r0 + jnp.arange(br)
+            row_ok = row_ids < r_end
+
+            def meta(ref, gi, s):
+                return plgpu.load(ref.at[b, h, jnp.int32(gi), jnp.int32(s), pl.ds(r0, br)], mask=row_ok,
+                                  other=0).astype(jnp.float32)
+
+            def codes(packed, gi):
+                return _slices(packed[gi], bits, levels, mult, blocks.inline_asm and not interpret)
+
+            scores = [None] * tpb
+            for gi in range(num_groups):
+                ck = codes(packed_k, gi)
+                for s in range(tpb):
+                    kv = ck[s]
+                    raw = _dot(qg_bf[gi], kv, 1, interpret) - offset * q_bf_sum[gi][:, None]
+                    part = (meta(scale_k_ref, gi, s) * (1.0 / mult))[None, :] * raw \
+                        + meta(lo_k_ref, gi, s)[None, :] * q_sum[gi][:, None]
+                    scores[s] = part if scores[s] is None else scores[s] + part
+            for s in range(tpb):
+                ok = (row_ids * tpb + s < n_hist)[None, :]
+                scores[s] = jnp.where(ok, scores[s], -jnp.inf)
+
+            def values(ps):
+                out = []
+                for gi in range(num_groups):
+                    cv = codes(packed_v, gi)
+                    acc = None
+                    for s, p in enumerate(ps):
+                        pv = (p * (meta(scale_v_ref, gi, s) * (1.0 / mult))[None, :]).astype(jnp.bfloat16)
+                        corr = jnp.sum(p * meta(lo_v_ref, gi, s)[None, :]
+                                       - offset * pv.astype(jnp.float32), axis=1)
+                        term = _dot(pv, cv[s], 0, interpret) + corr[:, None]
+                        acc = term if acc is None else acc + term
+                    out.append(acc)
+                return out
+
+            return _online_update(state, scores, values)
+
+        finish(lax.fori_loop(0, steps, step, init()))
+
+    @pl.when(split == num_hist_splits)
+    def _dense():
+        bd = blocks.block_dense
+        q_bf = q_ref[...].astype(jnp.bfloat16)
+
+        def segment(k_ref, v_ref, size, count, positions, state):
+            def step(i, state):
+                j = i * bd + jnp.arange(bd)
+                row_ok = j < size
+                k = plgpu.load(k_ref.at[b, h, pl.ds(i * bd, bd), :], mask=row_ok[:, None], other=0)
+                pos = positions(j)
+                vis = row_ok & (pos >= 0) & (pos < n)
+                vis = vis[None, :] & (pos[None, :] <= q_pos[:, None])
+                s = jnp.where(vis, _dot(q_bf, k, 1, interpret), -jnp.inf)
+
+                def values(ps):
+                    p = ps[0].astype(jnp.bfloat16)
+                    return [_dot(p, plgpu.load(v_ref.at[b, h, pl.ds(i * bd, bd), pl.ds(gi * gs, gs)],
+                                               mask=row_ok[:, None], other=0), 0, interpret)
+                            for gi in range(num_groups)]
+
+                return _online_update(state, [s], values)
+
+            return lax.fori_loop(0, (count + bd - 1) // bd, step, state)
+
+        state = init()
+        if sink:
+            state = segment(sink_k_ref, sink_v_ref, sink, jnp.minimum(n, sink), lambda j: j, state)
+        # Ring slot j holds the newest position p < n with (p - sink) % window == j.
+        wrap = window * (-(-(sink + window) // window) + 1)  # keeps the rem argument >= 0
+
+        def ring_pos(j):
+            p = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
+            return jnp.where((p >= sink) & (p >= n - window), p, -1)
+
+        state = segment(recent_k_ref, recent_v_ref, window, jnp.clip(n - sink, 0, window),
+                        ring_pos, state)
+        finish(state)
+
+
+def merge_splits(o_part: jax.Array, lse_part: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """o_part f32 [..., S, M, D], lse_part f32 [..., S, M] -> (o [..., M, D], lse [..., M])."""
+    lse = jax.nn.logsumexp(lse_part, axis=-2)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w = jnp.exp(lse_part - safe[..., None, :])
+    return jnp.sum(w[..., None] * o_part, axis=-3), lse
+
+
+def _default_splits(programs: int, hist_rows: int, blocks: BlockSizes) -> int:
+    most = max(1, -(-hist_rows // blocks.block_rows))
+    return max(1, min(most, -(-blocks.target_programs // max(programs, 1))))
+
+
+def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
+                    hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
+                    bits: int, levels: tuple[float, ...], softmax_scale: float,
+                    interpret: bool = False, block_sizes: BlockSizes | None = None):
+    """Attention of C new queries over one layer's mixed cache (plain arrays, rotated basis).
+
+    q_rot: f32 [B, C, Hq, D] (already multiplied by R_K); sink_k/v: bf16 [B, Hkv, S0, D];
+    hist_codes_k/v: uint8 [B, Hkv, T_hist/tpb, D]; hist_lo/scale_k/v: [B, Hkv, D/G, tpb,
+    T_hist/tpb] (bf16 or f32); recent_k/v: bf16 [B, Hkv, W, D]; lengths: int32 [B] tokens
+    held, the C queries being the newest. Returns (o_rot f32 [B, C, Hq, D] in the R_V
+    basis, lse f32 [B, C, Hq]).
+    """
+    blocks = block_sizes or BlockSizes()
+    b, c, hq, d = q_rot.shape
+    hkv = sink_k.shape[1]
+    tpb = 8 // bits
+    num_groups = hist_lo_k.shape[2]
+    hist_rows = hist_codes_k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"q_rot.shape={q_rot.shape}: Hq={hq} must be a multiple of Hkv={hkv}")
+    if sink_k.shape != (b, hkv, sink, d) or recent_k.shape != (b, hkv, window, d):
+        raise ValueError(f"sink_k.shape={sink_k.shape}, recent_k.shape={recent_k.shape}: expected "
+                         f"[B={b}, Hkv={hkv}, S0={sink}, D={d}] and [B, Hkv, W={window}, D]")
+    if hist_codes_k.shape != (b, hkv, hist_rows, d) or hist_lo_k.shape != (b, hkv, num_groups, tpb, hist_rows):
+        raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}, hist_lo_k.shape={hist_lo_k.shape}: "
+                         f"expected [B, Hkv, T_hist/{tpb}, D={d}] and [B, Hkv, D/G, {tpb}, T_hist/{tpb}]")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths.shape={lengths.shape}: expected [B={b}]")
+    enc = level_encoding(tuple(levels))
+    if enc is None:
+        raise ValueError(f"levels={levels}: no small integer multiple is exact in bf16")
+    if d % num_groups or d // num_groups < 16:
+        raise ValueError(f"group size D/G={d}/{num_groups}: the kernel needs groups of >= 16 channels")
+    g = hq // hkv
+    m = g * c
+    mp = max(16, 1 << (m - 1).bit_length())
+    bm = min(mp, blocks.block_q)
+    mp = -(-mp // bm) * bm
+    n_mblocks = mp // bm
+    num_splits = blocks.num_splits or _default_splits(b * hkv * n_mblocks, hist_rows, blocks)
+    split_rows = -(-max(hist_rows, 1) // num_splits)
+    split_rows = -(-split_rows // blocks.block_rows) * blocks.block_rows
+    num_hist_splits = -(-hist_rows // split_rows) if hist_rows else 0
+
+    # Query rows of KV head h: row c * g + i is query c of head h * g + i.
+    q = (q_rot.astype(jnp.float32) * softmax_scale).reshape(b, c, hkv, g, d)
+    q = jnp.moveaxis(q, 1, 2).reshape(b, hkv, m, d)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+
+    kernel = functools.partial(
+        _kernel, g=g, c=c, sink=sink, window=window, bits=bits, levels=tuple(levels),
+        mult=enc[0], offset=enc[1], num_groups=num_groups, hist_rows=hist_rows,
+        split_rows=split_rows, num_hist_splits=num_hist_splits, blocks=blocks,
+        interpret=interpret)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    splits = num_hist_splits + 1
+    arrays = (lengths.astype(jnp.int32), q, sink_k, sink_v, hist_codes_k, hist_codes_v,
+              hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v, recent_k, recent_v)
+    in_specs = [full(arrays[0]), pl.BlockSpec((None, None, bm, d), lambda i, j, k, s: (i, j, k, 0))]
+    in_specs += [full(x) for x in arrays[2:]]
+    o_part, lse_part = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, n_mblocks, splits),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, None, bm, d), lambda i, j, k, s: (i, j, s, k, 0)),
+                   pl.BlockSpec((None, None, None, bm), lambda i, j, k, s: (i, j, s, k))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, mp, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, mp), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="oscar_mixed_attention",
+    )(*arrays)
+    o, lse = merge_splits(o_part[..., :m, :], lse_part[..., :m])
+    o = jnp.moveaxis(o.reshape(b, hkv, c, g, d), 2, 1).reshape(b, c, hq, d)
+    lse = jnp.moveaxis(lse.reshape(b, hkv, c, g), 2, 1).reshape(b, c, hq)
+    return o, lse
+
+
+def supports(spec) -> bool:
+    """Cache configurations this kernel handles (a `CacheSpec`)."""
+    d = spec.head_dim
+    return (spec.quant.bits == 2 and 16 <= spec.group_size and d in (64, 128, 256)
+            and level_encoding(spec.quant.levels) is not None)

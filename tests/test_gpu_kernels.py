@@ -1,0 +1,262 @@
+"""GPU Pallas kernels (Triton lowering) against the XLA oracles.
+
+On CPU the kernels run with `interpret=True` (Pallas' interpreter fills kernel
+outputs with NaN before the call, so an unwritten element fails the check);
+the `gpu`-marked tests run the same checks compiled on a real GPU
+(`pytest -m gpu`). Tolerances: attention output relative Frobenius error
+<= 1e-2 (bf16 MMA operands against the f32 HIGHEST-precision reference),
+lse within 2e-2 + 5e-3·|lse| (q enters the MMA in bf16); the bulk write is
+bit-exact in interpret mode when the rotation is a signed permutation (f32 Lloyd-Max metadata: 1e-5
+relative, summation order differs); with a dense rotation a rotated value may
+land on the neighbouring bf16, so <= 0.2% of code bytes and 2 bf16 ulps of
+metadata may differ.
+
+Each attention case is one shape configuration x one ragged batch of
+lengths; the lengths are traced, so the cases of a configuration share one
+compilation.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cache_oracle import random_kv, signed_permutation
+from oscar_jax import attention, quant, reference
+from oscar_jax import cache as cache_lib
+from oscar_jax.config import CacheSpec, QuantConfig
+from oscar_jax.pallas_kernels.gpu import mixed_attention, quantize_pack
+
+HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
+
+# (D, g, C, G, codebook, scale dtype): every D in {64, 128, 256}, g in {1, 3, 4, 8},
+# C in {1, 7, 64}, G = D and G < D, both codebooks, both metadata dtypes.
+ATTN_CONFIGS = [
+    (64, 1, 1, 64, "uniform", "bfloat16"),
+    (64, 4, 7, 16, "uniform", "bfloat16"),
+    (64, 3, 1, 32, "lloyd_max", "float32"),
+    (64, 8, 64, 64, "uniform", "bfloat16"),
+    (128, 4, 1, 128, "uniform", "bfloat16"),
+    (128, 3, 7, 32, "uniform", "float32"),
+    (128, 8, 1, 128, "lloyd_max", "bfloat16"),
+    (128, 1, 64, 64, "uniform", "bfloat16"),
+    (128, 8, 7, 16, "uniform", "bfloat16"),
+    (256, 4, 1, 256, "uniform", "bfloat16"),
+    (256, 1, 7, 256, "lloyd_max", "float32"),
+    (256, 3, 64, 128, "uniform", "bfloat16"),
+]
+N_PATTERNS = 14
+
+
+def _spec(d, g_size, codebook, scale_dtype, *, batch=BATCH, sink=SINK, window=WINDOW, hist=HIST,
+          kv_heads=HKV):
+    return CacheSpec(1, batch, kv_heads, d, sink + hist + window, sink, window,
+                     QuantConfig(2, None if g_size == d else g_size, codebook, scale_dtype))
+
+
+def _lengths(rng, pattern: int, c: int, spec: CacheSpec) -> np.ndarray:
+    """A ragged batch: boundary lengths (inside the sink, on S0, inside S0 + W, on S0 + W,
+    just past it, full) mixed with random ones; all >= C so the C queries are appended."""
+    s0, w, top = spec.sink, spec.window, spec.max_len
+    marks = [1, s0 - 1, s0, s0 + 1, s0 + w // 2, s0 + w - 1, s0 + w, s0 + w + 1, s0 + w + 3,
+             top - 1, top]
+    pool = [n for n in marks if c <= n <= top]
+    if pattern < len(pool):  # each boundary leads one batch
+        first = pool[pattern]
+    else:
+        first = int(rng.integers(c, top + 1))
+    rest = rng.choice(pool, size=spec.batch - 2).tolist() + [int(rng.integers(c, top + 1))]
+    return np.array([first] + rest, np.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("c",))
+def _build(cache, params, k, v, lengths, *, c):
+    """write_prompt the first n - C tokens of k, v [B, T, H, D], then append the last C."""
+    cache = cache_lib.write_prompt(cache, k, v, lengths - c, params, implementation="xla")
+    idx = (lengths - c)[:, None] + jnp.arange(c)[None, :]
+    take = lambda x: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+    return cache_lib.append(cache, take(k), take(v), params)
+
+
+_reference = jax.jit(reference.attend)
+_attend = jax.jit(attention.attend, static_argnames=("implementation",))
+
+
+def _random_case(rng, spec: CacheSpec, g: int, c: int, lengths: np.ndarray):
+    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
+    rot = np.linalg.qr(rng.standard_normal((h, d, d)))[0].astype(np.float32)
+    rot_v = np.linalg.qr(rng.standard_normal((h, d, d)))[0].astype(np.float32)
+    params = cache_lib.LayerParams.create(rot, rot_v, rng.uniform(0.85, 1.0), rng.uniform(0.85, 1.0),
+                                          num_layers=1, kv_heads=h).layer(0)
+    t = spec.max_len
+    k = jnp.asarray(random_kv(rng, b, t, h, d), jnp.bfloat16)
+    v = jnp.asarray(random_kv(rng, b, t, h, d), jnp.bfloat16)
+    cache = _build(cache_lib.OscarCache.init(spec).layer(0), params, k, v, jnp.asarray(lengths), c=c)
+    q = jnp.asarray(rng.standard_normal((b, c, h * g, d)) * rng.uniform(0.5, 2.0), jnp.float32)
+    return q, cache, params
+
+
+def _check_attention(rng, spec, g, c, lengths):
+    q, cache, params = _random_case(rng, spec, g, c, lengths)
+    o, lse = _attend(q, cache, params, implementation="pallas")
+    o_ref, lse_ref = _reference(q, cache, params)
+    assert o.shape == o_ref.shape and lse.shape == lse_ref.shape
+    assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
+    for row in range(spec.batch):  # per row, so a wrong short row is not hidden by long ones
+        rel = float(jnp.linalg.norm(o[row] - o_ref[row]) / jnp.linalg.norm(o_ref[row]))
+        assert rel <= 1e-2, f"row {row} (length {lengths[row]}): relative error {rel:.3e}"
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=2e-2, rtol=5e-3)
+
+
+@pytest.mark.parametrize("pattern", range(N_PATTERNS))
+@pytest.mark.parametrize("config", ATTN_CONFIGS, ids=lambda c: "d{}-g{}-c{}-G{}-{}-{}".format(*c))
+def test_attention_matches_reference(config, pattern):
+    d, g, c, g_size, codebook, scale_dtype = config
+    spec = _spec(d, g_size, codebook, scale_dtype)
+    rng = np.random.default_rng([d, g, c, g_size, pattern])
+    _check_attention(rng, spec, g, c, _lengths(rng, pattern, c, spec))
+
+
+def test_attention_splits_and_query_blocks():
+    """Small blocks: many history splits, several steps per split, several query blocks."""
+    spec = _spec(64, 16, "uniform", "bfloat16", hist=200)
+    rng = np.random.default_rng(7)
+    g, c = 4, 7
+    q, cache, params = _random_case(rng, spec, g, c, np.array([20, 90, 180, 272], np.int32))
+    blocks = mixed_attention.BlockSizes(block_rows=16, block_dense=16, block_q=16, num_splits=3)
+    fn = attention.kernel_attend(functools.partial(mixed_attention.mixed_attention, block_sizes=blocks))
+    o, lse = jax.jit(fn)(q, cache, params)
+    o_ref, lse_ref = _reference(q, cache, params)
+    assert float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref)) <= 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=2e-2, rtol=5e-3)
+
+
+def test_dispatch_refuses_unsupported_specs():
+    spec4 = CacheSpec(1, 1, 1, 64, 128, 8, 16, QuantConfig(4))
+    spec_g8 = CacheSpec(1, 1, 1, 64, 128, 8, 16, QuantConfig(2, 8))
+    assert mixed_attention.supports(_spec(128, 128, "uniform", "bfloat16"))
+    assert not mixed_attention.supports(spec4) and not mixed_attention.supports(spec_g8)
+    with pytest.raises(ValueError, match="does not support"):
+        attention.resolve("pallas", spec4)
+    assert attention.resolve("auto", spec4, backend="gpu") == "xla"
+    assert attention.resolve("auto", _spec(64, 64, "uniform", "bfloat16"), backend="gpu") == "pallas"
+    with pytest.raises(ValueError, match="group size"):
+        cache_lib.write_prompt(cache_lib.OscarCache.init(spec_g8).layer(0),
+                               jnp.ones((1, 4, 1, 64), jnp.bfloat16), jnp.ones((1, 4, 1, 64), jnp.bfloat16),
+                               jnp.array([4]), cache_lib.LayerParams.create(
+                                   np.eye(64), np.eye(64), 1.0, 1.0, num_layers=1, kv_heads=1).layer(0),
+                               implementation="pallas")
+
+
+# Bulk write: (D, G, codebook, scale dtype, bits).
+WRITE_CONFIGS = [
+    (64, 64, "uniform", "bfloat16", 2),
+    (64, 16, "lloyd_max", "float32", 2),
+    (128, 32, "uniform", "float32", 2),
+    (128, 128, "lloyd_max", "bfloat16", 2),
+    (256, 64, "uniform", "bfloat16", 2),
+    (128, 64, "uniform", "bfloat16", 4),
+]
+WRITE_CASES = [(cfg, rotation, seed) for cfg in WRITE_CONFIGS for rotation in ("permutation", "dense")
+               for seed in range(3)]
+
+
+@pytest.mark.parametrize("config,rotation,seed", WRITE_CASES,
+                         ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_write_prompt_pallas_matches_xla(config, rotation, seed, exact=True):
+    d, g_size, codebook, scale_dtype, bits = config
+    spec = CacheSpec(1, 3, 2, d, SINK + 90 + WINDOW, SINK, WINDOW,
+                     QuantConfig(bits, None if g_size == d else g_size, codebook, scale_dtype))
+    rng = np.random.default_rng([d, g_size, bits, seed, rotation == "dense"])
+    h = spec.kv_heads
+    rot = (signed_permutation(rng, h, d) if rotation == "permutation"
+           else np.linalg.qr(rng.standard_normal((h, d, d)))[0].astype(np.float32))
+    params = cache_lib.LayerParams.create(rot, rot[::-1], rng.uniform(0.85, 1.0), rng.uniform(0.85, 1.0),
+                                          num_layers=1, kv_heads=h).layer(0)
+    t = spec.max_len - int(rng.integers(0, 40))  # T < max_len: the kernel zero-fills past T
+    k = jnp.asarray(random_kv(rng, 3, t, h, d), jnp.bfloat16)
+    v = jnp.asarray(random_kv(rng, 3, t, h, d), jnp.bfloat16)
+    lengths = jnp.asarray([t, int(rng.integers(SINK + WINDOW, t)), int(rng.integers(1, SINK + WINDOW))])
+    empty = cache_lib.OscarCache.init(spec).layer(0)
+    write = jax.jit(cache_lib.write_prompt, static_argnames=("implementation",))
+    got = write(empty, k, v, lengths, params, implementation="pallas")
+    want = write(empty, k, v, lengths, params, implementation="xla")
+    exact = exact and rotation == "permutation"
+    for name in ("sink_k", "sink_v", "recent_k", "recent_v", "lengths"):
+        a, b = np.asarray(getattr(got, name), np.float32), np.asarray(getattr(want, name), np.float32)
+        if exact:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:  # XLA's f32 rotation rounds differently for a different token count: 1 bf16 ulp
+            np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-6, err_msg=name)
+    for which in ("k", "v"):
+        codes = np.asarray(getattr(got, f"hist_codes_{which}"))
+        codes_ref = np.asarray(getattr(want, f"hist_codes_{which}"))
+        mismatch = float(np.mean(codes != codes_ref))
+        assert mismatch <= (0.0 if exact else 2e-3), f"{which}: {mismatch:.2e} of code bytes differ"
+        for meta in ("lo", "scale"):
+            a = np.asarray(getattr(got, f"hist_{meta}_{which}"), np.float32)
+            b = np.asarray(getattr(want, f"hist_{meta}_{which}"), np.float32)
+            assert np.all(np.isfinite(a)), f"{meta}_{which} has unwritten (NaN) entries"
+            span = np.abs(b).max()
+            if exact and scale_dtype == "bfloat16":
+                np.testing.assert_array_equal(a, b, err_msg=f"{meta}_{which}")
+            elif exact:  # f32 Lloyd-Max statistics: summation order
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * span, err_msg=f"{meta}_{which}")
+            else:  # a rotated value may round to the neighbouring bf16: 2 ulps of the largest
+                np.testing.assert_allclose(a, b, rtol=8e-3, atol=2**-6 * span, err_msg=f"{meta}_{which}")
+
+
+def test_quantize_pack_nan_stays_in_its_token():
+    """A NaN input element (spread by the rotation over its token) gives NaN metadata and
+    code 0 for that token only, exactly as the XLA quantiser on the rotated input."""
+    rng = np.random.default_rng(3)
+    x = np.asarray(random_kv(rng, 1, 64, 1, 64))
+    x[0, 5, 0, 3] = np.nan
+    rot = signed_permutation(rng, 1, 64)
+    cfg = QuantConfig(2, 16, scale_dtype="float32")
+    codes, lo, scale = quantize_pack.quantize_pack(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(rot), 1.0, bits=2, levels=cfg.levels,
+        group_size=16, span=None, scale_dtype=jnp.float32, interpret=jax.default_backend() == "cpu")
+    x_rot = np.einsum("td,de->te", x[0, :, 0], rot[0])[None, None]  # [1, 1, T, D]
+    want = quant.pack(quant.quantize(jnp.asarray(x_rot, jnp.bfloat16), cfg), 2)
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(want.codes))
+    for got, ref in ((lo, want.lo), (scale, want.scale)):  # all-NaN max/min: NaN or -inf
+        got, ref = np.asarray(got), np.asarray(ref)
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+        np.testing.assert_array_equal(got[np.isfinite(got)], ref[np.isfinite(ref)])
+    bad = ~np.isfinite(np.asarray(lo)[0, 0])  # [G, tpb, rows]: token 5 is slice 1 of row 1
+    assert bad[:, 1, 1].all() and bad.sum() == bad.shape[0]
+
+
+# ---------------------------------------------------------------------------------------
+# The same checks compiled for a real GPU (Triton lowering rules apply): pytest -m gpu.
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pattern", range(1))
+@pytest.mark.parametrize("config", ATTN_CONFIGS, ids=lambda c: "d{}-g{}-c{}-G{}-{}-{}".format(*c))
+def test_attention_on_gpu(config, pattern):
+    test_attention_matches_reference(config, pattern)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d,g,c", [(128, 4, 1), (128, 8, 64)])
+def test_attention_on_gpu_real_windows(d, g, c):
+    """Production sink/window (64/256), a few thousand history tokens, ragged batch."""
+    spec = _spec(d, d, "uniform", "bfloat16", sink=64, window=256, hist=3000)
+    rng = np.random.default_rng([d, g, c])
+    _check_attention(rng, spec, g, c, np.array([c, 64 + 256 + 1, 1700, spec.max_len], np.int32))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", WRITE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_write_prompt_on_gpu(config):
+    # Compiled division and summation order may move a code at a rounding boundary.
+    test_write_prompt_pallas_matches_xla(config, "dense", 0, exact=False)
