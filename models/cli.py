@@ -28,14 +28,15 @@ def _root() -> None:
 COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.models.evaluate")
 
 
-def load_layer_params(directory: Path, model_cfg):
-    """Calibrated OSCAR parameters for the model's full-attention layers from an
-    artifact directory, via `oscar_jax.artifact.load_layer_params(directory, model_cfg=...)`."""
-    try:
-        from oscar_jax import artifact
-    except ImportError:
-        raise typer.BadParameter("--rotations needs oscar_jax.artifact, which this build lacks") from None
-    return artifact.load_layer_params(directory, model_cfg=model_cfg)
+def load_calibration(directory: Path, model_cfg):
+    """(LayerParams of the model's full-attention layers, the QuantConfig their clips
+    were fitted for) from an artifact directory (`oscar_jax.artifact`); the artifact's
+    group size and codebook are served as calibrated."""
+    from oscar_jax import artifact
+    from oscar_jax.config import QuantConfig
+
+    params = artifact.load_layer_params(directory, model_cfg=model_cfg)
+    return params, QuantConfig(**artifact.read_metadata(directory).quant)
 
 
 @app.command()
@@ -65,9 +66,9 @@ def generate(
     except registry.ModelNotInstalled as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(1)
-    layer_params = load_layer_params(rotations, decoder.cfg) if rotations else None
+    layer_params, quant = load_calibration(rotations, decoder.cfg) if rotations else (None, None)
     try:
-        policy = kv_policy.make_policy(kv, layer_params, implementation=implementation)
+        policy = kv_policy.make_policy(kv, layer_params, quant=quant, implementation=implementation)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     if tokenizer is None:  # random weights without a tokenizer: UTF-8 bytes as ids

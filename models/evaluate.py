@@ -31,7 +31,7 @@ from oscar_jax import rotation
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import corpus, kv_policy, registry
 from oscar_jax.models import generate as gen
-from oscar_jax.models.cli import app, console, load_layer_params
+from oscar_jax.models.cli import app, console, load_calibration
 from oscar_jax.models.decoder import Decoder, forward_logits
 
 FIXED_CLIPS = (0.96, 0.92)  # the reference's (K, V) clip ratios
@@ -52,9 +52,11 @@ SCHEMES = {
 }
 
 
-def scheme_policy(name: str, calibrated: oc.LayerParams | None = None, implementation: str = "auto"):
+def scheme_policy(name: str, calibrated: oc.LayerParams | None = None, implementation: str = "auto",
+                  calibrated_quant: QuantConfig = QuantConfig(bits=2)):
     """The KV policy of an evaluation scheme. `calibrated` (stacked LayerParams of the
-    full-attention layers) is required by the `oscar*` schemes."""
+    full-attention layers) and the quantiser they were fitted for are what the
+    `oscar*` schemes serve."""
     if name not in SCHEMES:
         raise ValueError(f"kv scheme {name!r}: expected one of {tuple(SCHEMES)}")
     if SCHEMES[name][0] and calibrated is None:
@@ -82,8 +84,9 @@ def scheme_policy(name: str, calibrated: oc.LayerParams | None = None, implement
         rot = rotation.hadamard(d) if name == "oscar-hadamard" else rotation.identity(d)
         params = oc.LayerParams.create(rot, rot, params.clip_k, params.clip_v,
                                        num_layers=params.rot_k.shape[0], kv_heads=params.rot_k.shape[1])
-    codebook = "lloyd_max" if name == "oscar-lloyd" else "uniform"
-    return quant(name, QuantConfig(bits=2, codebook=codebook), 64, 256, "artifact", layer_params=params)
+    codebook = "lloyd_max" if name == "oscar-lloyd" else calibrated_quant.codebook
+    return quant(name, dataclasses.replace(calibrated_quant, codebook=codebook), 64, 256, "artifact",
+                 layer_params=params)
 
 
 @dataclasses.dataclass
@@ -281,10 +284,10 @@ def eval_command(
         split = calibration_tokens + 2048 if any(SCHEMES[n][0] for n in names) and not rotations else 0
         calib_ids, eval_ids = ids[:split], ids[split:]
         source = {"eval": f"{text} tokens [{split}, end)", "calibration": f"{text} tokens [0, {split})"}
-    calibrated = None
+    calibrated, calibrated_quant = None, QuantConfig(bits=2)
     if any(SCHEMES[n][0] for n in names):
         if rotations:
-            calibrated = load_layer_params(rotations, decoder.cfg)
+            calibrated, calibrated_quant = load_calibration(rotations, decoder.cfg)
             source["calibration"] = f"artifact {rotations}"
         else:
             console.print(f"no --rotations: calibrating on {calibration_tokens} tokens of the "
@@ -292,7 +295,7 @@ def eval_command(
             calibrated = _calibrate(decoder, calib_ids, calibration_tokens, 2048, min(1024, context))
     rows = windows(eval_ids, context, tokens)
     rows = rows[: len(rows) // batch * batch]
-    policies = {n: scheme_policy(n, calibrated, implementation) for n in names}
+    policies = {n: scheme_policy(n, calibrated, implementation, calibrated_quant) for n in names}
     with Progress(console=console) as bar:
         task = bar.add_task(f"eval {len(rows)}x{context} tokens, {len(names)} schemes",
                             total=len(rows) * (context - chunk))

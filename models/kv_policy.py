@@ -332,9 +332,11 @@ class QuantPolicy:
         return KVState(groups, jnp.zeros((batch,), jnp.int32))
 
 
-def oscar_policy(layer_params: oc.LayerParams | None = None, *, implementation: str = "auto") -> QuantPolicy:
-    """OSCAR INT2: calibrated rotations/clips when given, else identity with the reference clips."""
-    return QuantPolicy("oscar", QuantConfig(bits=2), 64, 256,
+def oscar_policy(layer_params: oc.LayerParams | None = None, *, quant: QuantConfig | None = None,
+                 implementation: str = "auto") -> QuantPolicy:
+    """OSCAR INT2: calibrated rotations/clips when given, else identity with the reference
+    clips. quant: the quantiser the calibration was made for (default 2-bit, G = D)."""
+    return QuantPolicy("oscar", quant or QuantConfig(bits=2), 64, 256,
                        "identity" if layer_params is None else "artifact", 0.96, 0.92, layer_params,
                        implementation)
 
@@ -342,8 +344,9 @@ def oscar_policy(layer_params: oc.LayerParams | None = None, *, implementation: 
 POLICIES = ("bf16", "fp32", "oscar", "quarot", "kivi", "int2", "int4", "int8")
 
 
-def make_policy(name: str, layer_params: oc.LayerParams | None = None, *, implementation: str = "auto"):
-    """A policy by name (one of POLICIES); layer_params only for "oscar"."""
+def make_policy(name: str, layer_params: oc.LayerParams | None = None, *, quant: QuantConfig | None = None,
+                implementation: str = "auto"):
+    """A policy by name (one of POLICIES); layer_params and quant only for "oscar"."""
     if layer_params is not None and name != "oscar":
         raise ValueError(f"kv={name!r} takes no rotations; calibrated rotations are for kv='oscar'")
     if name == "bf16":
@@ -351,7 +354,7 @@ def make_policy(name: str, layer_params: oc.LayerParams | None = None, *, implem
     if name == "fp32":
         return DensePolicy("float32")
     if name == "oscar":
-        return oscar_policy(layer_params, implementation=implementation)
+        return oscar_policy(layer_params, quant=quant, implementation=implementation)
     if name == "quarot":
         return QuantPolicy("quarot", QuantConfig(bits=2), 64, 256, "hadamard", implementation=implementation)
     if name == "kivi":

@@ -324,8 +324,10 @@ def _write_implementation(implementation: str, spec: CacheSpec) -> str:
     from oscar_jax.pallas_kernels.gpu import quantize_pack
 
     if implementation == "auto":
-        gpu = jax.default_backend() == "gpu"
-        return "pallas" if gpu and quantize_pack.supports(spec) else "xla"
+        # The bulk kernel passes in interpret mode but its H200 run differs from the
+        # XLA path on 0.7-3% of code bytes (bench/results/kernels_h200.md): until that
+        # is diagnosed, "auto" keeps the verified XLA path everywhere.
+        return "xla"
     if implementation not in ("xla", "pallas"):
         raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla' or 'pallas'")
     if implementation == "pallas" and not quantize_pack.supports(spec):
@@ -357,8 +359,8 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
     history [S0, n - W) and the recent ring. Rows longer than max_len raise outside
     jit; inside jit they are emptied and flagged in `overflow`.
     implementation: "xla", "pallas" (the GPU bulk rotate-quantise-pack kernel, which
-    also rotates only the sink and ring tokens in XLA) or "auto" ("pallas" on GPU
-    where the kernel supports the spec, else "xla").
+    also rotates only the sink and ring tokens in XLA) or "auto" (today "xla": see
+    `_write_implementation`).
     """
     spec = cache.spec
     impl = _write_implementation(implementation, spec)
