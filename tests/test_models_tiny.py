@@ -280,15 +280,16 @@ def test_cli_generate_on_an_hf_directory():
     assert "bits/element" in result.output and "tokens/s" in result.output
 
 
-@pytest.mark.parametrize("policy", ["bf16", "oscar"])
-def test_sharded_kv_state_decodes_like_one_device(gemma_like, policy):
-    """KV state sharded on a (data=2, model=4) CPU mesh (batch over data; the single
-    KV head replicated): prefill + 3 decode steps give the one-device logits."""
-    from jax.sharding import Mesh
+def test_sharded_kv_state_decodes_like_one_device(gemma_like):
+    """OSCAR + ring KV state sharded on a (data=2, model=4) CPU mesh (batch over data;
+    the single KV head replicated): prefill + 3 decode steps give the one-device logits.
+    Dense states get the same layout ([L, B, Hkv, T, D] -> batch over data)."""
+    from jax.sharding import Mesh, PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
-    pol = kv_policy.make_policy(policy) if policy == "bf16" else kv_policy.QuantPolicy(
-        "oscar-small", kv_policy.QuantConfig(bits=2), 2, 4, clip_k=0.96, clip_v=0.92)
+    dense = kv_policy.state_shardings(gen.init_state(gemma_like, kv_policy.make_policy("bf16"), 2, 8), mesh)
+    assert dense.groups["sliding_attention"].k.spec == P(None, "data", None, None, None)
+    pol = kv_policy.QuantPolicy("oscar-small", kv_policy.QuantConfig(bits=2), 2, 4, clip_k=0.96, clip_v=0.92)
     prompt, lengths = np.arange(3, 27).reshape(2, 12), np.array([12, 7])
 
     def run(shard: bool):
@@ -305,7 +306,5 @@ def test_sharded_kv_state_decodes_like_one_device(gemma_like, policy):
 
     sharded, kv = run(True)
     single, _ = run(False)
-    full = kv.groups["full_attention"]
-    leaf = full.cache.recent_k if policy == "oscar" else full.k
-    assert leaf.sharding.spec[1] == "data"  # batch stays split over the data axis
+    assert kv.groups["full_attention"].cache.recent_k.sharding.spec[1] == "data"  # batch stays split
     np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
