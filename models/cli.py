@@ -79,11 +79,11 @@ def generate(
                        sampling=gen.Sampling(temperature, top_p), key=jax.random.key(seed))
     new = out.tokens[0]
     console.print(tokenizer.decode(new) if tokenizer else " ".join(map(str, new)), markup=False, highlight=False)
-    table = Table(title=f"oscar generate ({jax.devices()[0].device_kind}, jax {jax.__version__})")
+    table = Table(title="oscar generate")
     table.add_column("")
     table.add_column("value", justify="right")
     for name, value in (
-            ("model", str(model)), ("kv", policy.name), ("prompt tokens", str(len(ids))),
+            ("device", jax.devices()[0].device_kind), ("jax", jax.__version__), ("model", str(model)), ("kv", policy.name), ("prompt tokens", str(len(ids))),
             ("new tokens", str(len(new))), ("decode tokens/s", f"{out.decode_tokens_per_s:.1f}"),
             ("prefill s", f"{out.seconds['prefill']:.2f}"), ("compile s", f"{out.seconds['compile']:.1f}"),
             ("KV bytes (allocated)", f"{kv_policy.nbytes(out.kv):,}"),
