@@ -319,34 +319,53 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         cache, **updates, lengths=jnp.where(ok, n + c, n), overflow=cache.overflow | ~ok)
 
 
+_WRITE_IMPLEMENTATIONS = ("xla", "pallas", "pallas_tpu")
+
+
 def _write_implementation(implementation: str, spec: CacheSpec) -> str:
-    """The prompt-write path for `implementation` ("auto", "xla" or "pallas")."""
+    """The prompt-write path for `implementation` ("auto" or one of _WRITE_IMPLEMENTATIONS)."""
     from oscar_jax.pallas_kernels.gpu import quantize_pack
 
     if implementation == "auto":
-        # The bulk kernel passes in interpret mode but its H200 run differs from the
-        # XLA path on 0.7-3% of code bytes (bench/results/kernels_h200.md): until that
-        # is diagnosed, "auto" keeps the verified XLA path everywhere.
-        return "xla"
-    if implementation not in ("xla", "pallas"):
-        raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla' or 'pallas'")
+        # TPU: the Mosaic bulk kernel (interpret-verified, like the TPU attention).
+        # GPU: the Triton bulk kernel passes in interpret mode but its H200 run differs
+        # from the XLA path on 0.7-3% of code bytes (bench/results/kernels_h200.md);
+        # until that is diagnosed "auto" keeps the verified XLA path there.
+        return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
+    if implementation not in _WRITE_IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected 'auto' or one of "
+                         f"{_WRITE_IMPLEMENTATIONS}")
     if implementation == "pallas" and not quantize_pack.supports(spec):
         raise ValueError(f"implementation='pallas' does not support this cache (group size "
                          f"{spec.group_size} < 16); use 'xla' or 'auto'")
     return implementation
 
 
-def _pallas_quantize_pack(x, rot, clip, spec: CacheSpec, start: int, count: int) -> quant.Quantized:
-    """The bulk kernel on tokens [start, start + count) of x [B, T, H, D] -> packed Quantized."""
+def _kernel_quantize_pack(impl: str, x, rot, clip, spec: CacheSpec, start: int,
+                          count: int) -> quant.Quantized:
+    """A bulk kernel ("pallas" GPU, "pallas_tpu" TPU) on tokens [start, start + count)
+    of x [B, T, H, D] (zeros past T) -> packed Quantized."""
     from oscar_jax.config import LLOYD_MAX_SPAN
-    from oscar_jax.pallas_kernels.gpu import quantize_pack
 
     cfg = spec.quant
-    codes, lo, scale = quantize_pack.quantize_pack(
-        x.astype(STORE_DTYPE), rot, clip, bits=cfg.bits, levels=cfg.levels,
-        group_size=spec.group_size, span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
-        scale_dtype=cfg.jnp_scale_dtype, start=start, count=count,
-        interpret=jax.default_backend() == "cpu")
+    span = LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None
+    interpret = jax.default_backend() == "cpu"
+    if impl == "pallas":
+        from oscar_jax.pallas_kernels.gpu import quantize_pack
+
+        codes, lo, scale = quantize_pack.quantize_pack(
+            x.astype(STORE_DTYPE), rot, clip, bits=cfg.bits, levels=cfg.levels,
+            group_size=spec.group_size, span=span, scale_dtype=cfg.jnp_scale_dtype,
+            start=start, count=count, interpret=interpret)
+    else:
+        from oscar_jax.pallas_kernels.tpu import bulk_write
+
+        xs = x[:, start:start + count]
+        xs = jnp.pad(xs, ((0, 0), (0, count - xs.shape[1]), (0, 0), (0, 0)))
+        codes, lo, scale = bulk_write.bulk_write(
+            xs, rot, clip, bits=cfg.bits, group_size=cfg.group_size, levels=cfg.levels,
+            codebook=cfg.codebook, lloyd_max_span=span, scale_dtype=cfg.scale_dtype,
+            interpret=interpret)
     return quant.Quantized(codes=codes, lo=lo, scale=scale)
 
 
@@ -358,9 +377,9 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
     Row b ends up holding positions [0, prompt_lengths[b]): the sink, the quantised
     history [S0, n - W) and the recent ring. Rows longer than max_len raise outside
     jit; inside jit they are emptied and flagged in `overflow`.
-    implementation: "xla", "pallas" (the GPU bulk rotate-quantise-pack kernel, which
-    also rotates only the sink and ring tokens in XLA) or "auto" (today "xla": see
-    `_write_implementation`).
+    implementation: "xla", "pallas" / "pallas_tpu" (the GPU / TPU bulk
+    rotate-quantise-pack kernel; only the sink and ring tokens are rotated in XLA)
+    or "auto" (see `_write_implementation`).
     """
     spec = cache.spec
     impl = _write_implementation(implementation, spec)
@@ -389,7 +408,7 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
         return jnp.pad(x, ((0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)))
 
     def update(which, x, rot, clip):
-        if impl == "pallas":  # rotate only the sink and ring tokens here; the kernel does the rest
+        if impl != "xla":  # rotate only the sink and ring tokens here; the kernel does the rest
             sink = fit(_rotate(x[:, :s0], rot), 0, s0).astype(STORE_DTYPE)
             ring = _rotate(jnp.take_along_axis(x, jnp.maximum(ring_pos, 0)[:, :, None, None], axis=1),
                            rot)
@@ -400,8 +419,8 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
         ring = jnp.where((ring_pos >= 0)[:, None, :, None], ring, 0).astype(STORE_DTYPE)
         hist = cache.hist(which)
         if n_hist:
-            if impl == "pallas":
-                q = _pallas_quantize_pack(x, rot, clip, spec, s0, n_hist)
+            if impl != "xla":
+                q = _kernel_quantize_pack(impl, x, rot, clip, spec, s0, n_hist)
             else:
                 q = quant.pack(quant.quantize(fit(x_rot, s0, n_hist).astype(STORE_DTYPE),
                                               spec.quant, clip), bits)

@@ -396,8 +396,9 @@ def test_bulk_write_matches_quant_pack(cfg, d, hkv, t, block, rotation):
         assert np.all(np.abs(u[differ] - np.floor(u[differ]) - 0.5) < 1e-5), "non-tie mismatch"
 
 
-def test_bulk_write_equals_cache_write_prompt_history():
-    """bulk_write of the history tokens reproduces what `write_prompt` stores."""
+def test_write_prompt_through_bulk_kernel_equals_xla_path():
+    """`write_prompt(implementation="pallas_tpu")` (the bulk kernel) stores what the XLA
+    path stores: sink and ring exactly, history up to rounding ties."""
     spec = CacheSpec(1, 2, 2, 64, 16 + 512 + 32, sink=16, window=32, quant=QuantConfig(group_size=32))
     rng = np.random.default_rng(5)
     rk, rv = (np.linalg.qr(rng.standard_normal((2, 64, 64)))[0].astype(np.float32) for _ in "kv")
@@ -405,18 +406,19 @@ def test_bulk_write_equals_cache_write_prompt_history():
     t = spec.max_len
     k = jnp.asarray(rng.standard_normal((2, t, 2, 64)).astype(np.float32) * 2 + 0.5)
     v = jnp.asarray(rng.standard_normal((2, t, 2, 64)).astype(np.float32))
-    cache = oj.write_prompt(oj.OscarCache.init(spec).layer(0), k, v, jnp.asarray([t, t - 7]), params)
-    hist = slice(spec.sink, spec.sink + spec.hist_capacity)
-    for which, x, rot, clip in (("k", k, rk, 0.96), ("v", v, rv, 0.92)):
-        codes, lo, scale = _write(x[:, hist], jnp.asarray(rot), clip, spec.quant, 2048)
-        ref = cache.hist(which)
-        got = np.asarray(layout.unpack_codes(codes, 2)).astype(int)
-        want = np.asarray(layout.unpack_codes(ref.codes, 2)).astype(int)
+    write = lambda impl: oj.write_prompt(oj.OscarCache.init(spec).layer(0), k, v, jnp.asarray([t, t - 7]),
+                                         params, implementation=impl)
+    ref, got_cache = write("xla"), write("pallas_tpu")
+    for name in ("sink_k", "sink_v", "recent_k", "recent_v", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(got_cache, name)), np.asarray(getattr(ref, name)))
+    for which in "kv":
+        want_h, got_h = ref.hist(which), got_cache.hist(which)
+        got = np.asarray(layout.unpack_codes(got_h.codes, 2)).astype(int)
+        want = np.asarray(layout.unpack_codes(want_h.codes, 2)).astype(int)
         assert np.abs(got - want).max() <= 1 and (got != want).mean() < 2e-3
-        np.testing.assert_allclose(np.asarray(lo, np.float32), np.asarray(ref.lo, np.float32),
-                                   rtol=2 ** -7, atol=1e-3)
-        np.testing.assert_allclose(np.asarray(scale, np.float32),
-                                   np.asarray(ref.scale, np.float32), rtol=2 ** -7, atol=1e-3)
+        for field in ("lo", "scale"):
+            np.testing.assert_allclose(np.asarray(getattr(got_h, field), np.float32),
+                                       np.asarray(getattr(want_h, field), np.float32), rtol=2 ** -7, atol=1e-3)
 
 
 @pytest.mark.parametrize("d,g,bits,meta,t", [
