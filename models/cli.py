@@ -25,7 +25,8 @@ def _root() -> None:
     """oscar-jax: 2-bit KV cache (OSCAR) for JAX decoders."""
 
 # Modules that register more commands on `app` (e.g. "oscar_jax.models.calibration").
-COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.models.evaluate")
+COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.models.evaluate",
+                                     "oscar_jax.models.needle")
 
 
 def load_calibration(directory: Path, model_cfg):

@@ -1,0 +1,123 @@
+"""Long-context retrieval: a passkey hidden at a depth of filler text, read back by
+greedy decoding through the decode loop (prefill -> cache -> `decode`).
+
+Adds the `oscar needle` command. Accuracy is per (context length, depth): the
+fraction of trials whose generated text contains the passkey's digits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import typer
+from rich.table import Table
+
+from oscar_jax.models import generate as gen
+from oscar_jax.models import registry
+from oscar_jax.models.cli import app, console, load_calibration
+from oscar_jax.models.evaluate import SCHEMES, scheme_policy
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def needle_prompt(tokenizer, length: int, depth: float, passkey: int) -> list[int]:
+    """Token ids of about `length` tokens: filler with the passkey sentence inserted
+    after `depth` (0..1) of it, then the question. The filler is cut at token level."""
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth={depth}: expected in [0, 1]")
+    needle = tokenizer.encode(f" The pass key is {passkey}. Remember it. {passkey} is the pass key. ",
+                              add_bos=False)
+    question = tokenizer.encode(QUESTION, add_bos=False)
+    head = tokenizer.encode("", add_bos=None)  # BOS where the model wants one
+    unit = tokenizer.encode(FILLER, add_bos=False)
+    room = length - len(head) - len(needle) - len(question)
+    if room < 1:
+        raise ValueError(f"length={length} is too short for the needle and the question")
+    filler = (unit * (room // len(unit) + 1))[:room]
+    cut = int(round(depth * room))
+    return head + filler[:cut] + needle + filler[cut:] + question
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedleResult:
+    kv: str
+    length: int
+    depth: float
+    accuracy: float
+    trials: int
+    bpe: float
+
+
+def run(model, tokenizer, policy, name: str, lengths, depths, trials: int, seed: int = 0) -> list[NeedleResult]:
+    """Greedy retrieval for each (length, depth), `trials` random 5-digit passkeys each,
+    batched over trials."""
+    from oscar_jax.models import kv_policy
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for length in lengths:
+        for depth in depths:
+            keys = rng.integers(10000, 100000, trials)
+            prompts = [needle_prompt(tokenizer, length, depth, int(k)) for k in keys]
+            res = gen.generate(model, policy, prompts, max_new_tokens=8, key=jax.random.key(seed))
+            hits = [str(k) in tokenizer.decode(t) for k, t in zip(keys, res.tokens)]
+            out.append(NeedleResult(name, length, depth, float(np.mean(hits)), trials,
+                                    kv_policy.bits_per_element(res.kv)))
+    return out
+
+
+def _parse_lengths(text: str) -> list[int]:
+    vals = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        vals.append(int(float(part[:-1]) * 1024) if part.endswith("K") else int(part))
+    return vals
+
+
+@app.command()
+def needle(
+    model: str = typer.Option(..., help="smollm2 | gemma3 | a .gguf file | an HF checkpoint directory"),
+    lengths: str = typer.Option("1K,2K,4K,8K", help="context lengths in tokens (K = 1024)"),
+    depths: str = typer.Option("0.1,0.5,0.9", help="needle depths in [0, 1]"),
+    kv: str = typer.Option("bf16,kivi2,oscar", help=f"comma-separated schemes from: {', '.join(SCHEMES)}"),
+    rotations: Path | None = typer.Option(None, help="calibration artifact (required by oscar* schemes)"),
+    trials: int = typer.Option(4, min=1, help="passkeys per (length, depth), decoded as one batch"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the records here"),
+):
+    """Passkey retrieval accuracy per context length and depth, through the decode loop."""
+    names = [s.strip() for s in kv.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCHEMES]
+    if unknown:
+        raise typer.BadParameter(f"--kv {','.join(unknown)}: expected names from {', '.join(SCHEMES)}")
+    decoder, tokenizer = registry.load(model)
+    if tokenizer is None:
+        raise typer.BadParameter(f"--model {model}: no tokenizer found")
+    calibrated, quant = load_calibration(rotations, decoder.cfg) if rotations else (None, None)
+    extra = {"calibrated_quant": quant} if quant else {}
+    results = []
+    for name in names:
+        try:
+            policy = scheme_policy(name, calibrated, **extra)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+        results += run(decoder, tokenizer, policy, name, _parse_lengths(lengths),
+                       [float(d) for d in depths.split(",")], trials)
+    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    table = Table(title=f"oscar needle {model}: {trials} passkeys per cell; {device}, jax {jax.__version__}")
+    for col in ("kv", "length", "depth", "accuracy", "bits/elem"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r.kv, str(r.length), f"{r.depth:.2f}", f"{r.accuracy:.2f}", f"{r.bpe:.2f}")
+    console.print(table)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"model": model, "device": device, "jax": jax.__version__,
+                "command": "oscar " + " ".join(sys.argv[1:])}
+        json_out.write_text(json.dumps({"meta": meta, "results": [dataclasses.asdict(r) for r in results]},
+                                       indent=1))
