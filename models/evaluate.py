@@ -165,11 +165,12 @@ def evaluate(model: Decoder, rows: np.ndarray, policies: dict[str, object], *, c
         ref_state = gen.init_state(model, reference, batch, context, chunk)
         prompt, lengths = tokens[:, :chunk], np.full((batch,), chunk, np.int32)
         ref_logits, ref_state = gen.prefill(model, ref_state, prompt, lengths)
-        step = [(ref_logits[:, None], tokens[:, chunk:chunk + 1], np.ones((batch, 1), bool))]
+        first_target, first_mask = tokens[:, chunk:chunk + 1], np.ones((batch, 1), bool)
         for name, p in policies.items():
             t0 = time.perf_counter()
             logits, states[name] = gen.prefill(model, states[name], prompt, lengths)
-            tallies[name].add(chunk_sums(step[0][0], logits[:, None], *step[0][1:]), batch)
+            tallies[name].add(chunk_sums(ref_logits[:, None], logits[:, None], first_target, first_mask),
+                              batch)
             seconds[name] += time.perf_counter() - t0
         for start in range(chunk, context, chunk):
             x = tokens[:, start: start + chunk]
@@ -197,8 +198,9 @@ def evaluate(model: Decoder, rows: np.ndarray, policies: dict[str, object], *, c
 def forward_perplexity(model: Decoder, rows: np.ndarray, chunk: int) -> float:
     """Perplexity of the plain full forward (no cache) over the tokens `evaluate` predicts."""
     nll, count = 0.0, 0
+    forward = jax.jit(forward_logits)
     for row in rows:
-        logits = jax.jit(forward_logits)(model, jnp.asarray(row[None]))[0, chunk - 1: -1]
+        logits = forward(model, jnp.asarray(row[None]))[0, chunk - 1: -1]
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         nll -= float(jnp.sum(jnp.take_along_axis(lp, jnp.asarray(row[chunk:, None]), axis=-1)))
         count += len(row) - chunk
