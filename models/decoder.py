@@ -141,7 +141,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, mode: Mode = "forward",
                  kv: kv_policy.KVState | None = None, lengths: jax.Array | None = None,
-                 capture_qkv: bool = False):
+                 capture_qkv: bool = False, kv_dtype=None, exact_prefix: int = 0):
         """Run the layers.
 
         tokens, positions: int32 [B, T]. mode:
@@ -153,11 +153,17 @@ class Decoder(nnx.Module):
              attend over the cache (T <= the policy's chunk limit).
         Returns (hidden [B, T, H], kv or None, Captured or None). With
         capture_qkv, Captured holds every layer's post-RoPE q, k, v.
+        kv_dtype ("forward" only): round each layer's post-RoPE k, v to this dtype
+        before attention, as a dense cache of that dtype would store them; queries at
+        positions < exact_prefix still see them unrounded, as they do in a prefill
+        of that many tokens (full-precision attention, then the cache write).
         """
         cfg = self.cfg
         b, t = tokens.shape
         if mode != "forward" and kv is None:
             raise ValueError(f"mode={mode!r} needs a KVState (kv=...)")
+        if kv_dtype is not None and mode != "forward":
+            raise ValueError(f"kv_dtype={kv_dtype!r} applies to mode='forward' only, not {mode!r}")
         if lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
         x = self.embed_tokens(tokens)
@@ -177,7 +183,8 @@ class Decoder(nnx.Module):
                 idx = j * block_kinds.count(kind) + seen[kind]
                 seen[kind] += 1
                 layer_kv = None if groups is None else kv_policy.layer_view(groups, kind, idx)
-                x, layer_kv, cap = self._layer(w, kind, x, positions, inv_freq[kind], mode, layer_kv, lengths)
+                x, layer_kv, cap = self._layer(w, kind, x, positions, inv_freq[kind], mode, layer_kv, lengths,
+                                               kv_dtype, exact_prefix)
                 if groups is not None:
                     groups = kv_policy.layer_update(groups, kind, idx, layer_kv)
                 caps.append(cap)
@@ -195,7 +202,8 @@ class Decoder(nnx.Module):
             new_kv = dataclasses.replace(kv, groups=groups, lengths=new_len)
         return x, new_kv, captured
 
-    def _layer(self, w, kind: LayerType, x, positions, inv_freq, mode: Mode, layer_kv, lengths):
+    def _layer(self, w, kind: LayerType, x, positions, inv_freq, mode: Mode, layer_kv, lengths,
+               kv_dtype=None, exact_prefix: int = 0):
         """One decoder layer: x [B, T, H] -> (x, layer_kv, (q, k, v))."""
         cfg = self.cfg
         b, t, _ = x.shape
@@ -211,10 +219,15 @@ class Decoder(nnx.Module):
             q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
         window = cfg.sliding_window if kind == "sliding_attention" else None
+        attend = lambda k, v: causal_attention(q, k, v, lengths, softmax_scale=cfg.softmax_scale, window=window)
         if mode == "step":
             o, layer_kv = kv_policy.append_attend(layer_kv, q, k, v, softmax_scale=cfg.softmax_scale)
+        elif kv_dtype is not None:
+            o = attend(*(a.astype(kv_dtype).astype(a.dtype) for a in (k, v)))
+            if exact_prefix:
+                o = jnp.where((positions < exact_prefix)[:, :, None, None], attend(k, v), o)
         else:
-            o = causal_attention(q, k, v, lengths, softmax_scale=cfg.softmax_scale, window=window)
+            o = attend(k, v)
             if mode == "prefill":
                 layer_kv = kv_policy.write_prompt(layer_kv, k, v, lengths)
         o = mm(o.reshape(b, t, hq * d).astype(x.dtype), w["wo"])
@@ -232,11 +245,15 @@ class Decoder(nnx.Module):
         return x + m, layer_kv, (q, k, v)
 
 
-def forward_logits(model: Decoder, tokens: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
-    """Full-sequence forward: tokens int32 [B, T] -> float32 logits [B, T, V]."""
+def forward_logits(model: Decoder, tokens: jax.Array, lengths: jax.Array | None = None,
+                   kv_dtype=None, exact_prefix: int = 0) -> jax.Array:
+    """Full-sequence forward: tokens int32 [B, T] -> float32 logits [B, T, V].
+    kv_dtype, exact_prefix: the dense-cache oracle (K/V rounded after RoPE, except for
+    queries in the first exact_prefix positions; see `Decoder.__call__`)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden, _, _ = model(tokens, positions, mode="forward", lengths=lengths)
+    hidden, _, _ = model(tokens, positions, mode="forward", lengths=lengths, kv_dtype=kv_dtype,
+                         exact_prefix=exact_prefix)
     return model.logits(hidden)
 
 

@@ -195,10 +195,12 @@ def evaluate(model: Decoder, rows: np.ndarray, policies: dict[str, object], *, c
             for name, t in tallies.items()]
 
 
-def forward_perplexity(model: Decoder, rows: np.ndarray, chunk: int) -> float:
-    """Perplexity of the plain full forward (no cache) over the tokens `evaluate` predicts."""
+def forward_perplexity(model: Decoder, rows: np.ndarray, chunk: int, kv_dtype=None) -> float:
+    """Perplexity of the plain full forward (no cache) over the tokens `evaluate` predicts.
+    kv_dtype: K/V rounded to it as a dense cache of that dtype stores them, seen so by every
+    query after the `chunk`-token prefill (which attends in full precision); None keeps them."""
     nll, count = 0.0, 0
-    forward = jax.jit(forward_logits)
+    forward = jax.jit(functools.partial(forward_logits, kv_dtype=kv_dtype, exact_prefix=chunk))
     for row in rows:
         logits = forward(model, jnp.asarray(row[None]))[0, chunk - 1: -1]
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -43,22 +43,41 @@ def test_chunk_sums_match_numpy():
 
 
 def test_full_precision_cache_reproduces_forward_perplexity(smollm2):
-    """Through the cache with prefill + extend chunks, fp32 equals the plain forward and
-    bf16 (the scheme table's baseline) stays within the stated bound."""
+    """SmolLM2 through the cache with prefill + extend chunks: fp32 equals the plain forward.
+    bf16 is checked against the forward with bf16 K/V only loosely here: on this model bf16
+    rounding is chaotic (a 1e-7 relative nudge of q, k moves this sample's bf16-K/V
+    perplexity by std 1.5e-4), so the tight check is the tiny model's below."""
     decoder, tokenizer = smollm2
     from oscar_jax.models import corpus
 
     text, _ = corpus.shakespeare_text("evaluation")
     rows = ev.windows(np.asarray(tokenizer.encode(text[:6000]), np.int32), 256, 512)
     forward = ev.forward_perplexity(decoder, rows, chunk=32)
+    forward_bf16 = ev.forward_perplexity(decoder, rows, chunk=32, kv_dtype="bfloat16")
     results = ev.evaluate(decoder, rows, {"fp32": kv_policy.DensePolicy("float32"),
                                           "bf16": ev.scheme_policy("bf16")}, chunk=32, batch=2)
     fp32, bf16 = results
-    print(f"forward PPL {forward:.6f}; fp32 cache {fp32.ppl:.6f} (rel {abs(fp32.ppl / forward - 1):.2e}); "
-          f"bf16 cache {bf16.ppl:.6f} (rel {abs(bf16.ppl / forward - 1):.2e})")
+    print(f"forward PPL {forward:.6f}, with bf16 K/V {forward_bf16:.6f}; "
+          f"fp32 cache {fp32.ppl:.6f} (rel {abs(fp32.ppl / forward - 1):.2e}); "
+          f"bf16 cache {bf16.ppl:.6f} (rel {abs(bf16.ppl / forward_bf16 - 1):.2e})")
     assert fp32.tokens == 2 * (256 - 32)
     assert abs(fp32.ppl / forward - 1) < 1e-5 and fp32.kl < 1e-9 and fp32.top1 == 1.0
-    assert abs(bf16.ppl / forward - 1) < 2e-3
+    assert abs(bf16.ppl / forward_bf16 - 1) < 1e-3
+
+
+def test_bf16_cache_reproduces_forward_with_bf16_kv(tiny):
+    """`evaluate`'s bf16 scheme equals the plain forward whose K/V are rounded to bf16 after
+    the prefill chunk (its oracle) to 1e-5 relative perplexity; the unrounded forward is
+    farther than 1e-4, so the check sees the rounding."""
+    rows = np.random.default_rng(3).integers(0, tiny.cfg.vocab_size, (2, 256)).astype(np.int32)
+    forward = ev.forward_perplexity(tiny, rows, chunk=32)
+    forward_bf16 = ev.forward_perplexity(tiny, rows, chunk=32, kv_dtype="bfloat16")
+    (bf16,) = ev.evaluate(tiny, rows, {"bf16": ev.scheme_policy("bf16")}, chunk=32, batch=2)
+    rel = abs(bf16.ppl / forward_bf16 - 1)
+    print(f"bf16 cache PPL {bf16.ppl:.6f}; forward with bf16 K/V {forward_bf16:.6f} (rel {rel:.1e}), "
+          f"unrounded forward {forward:.6f} (rel {abs(bf16.ppl / forward - 1):.1e})")
+    assert rel < 1e-5
+    assert abs(bf16.ppl / forward - 1) > 1e-4
 
 
 def test_every_scheme_runs_through_its_cache(tiny):
