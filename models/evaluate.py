@@ -38,6 +38,7 @@ FIXED_CLIPS = (0.96, 0.92)  # the reference's (K, V) clip ratios
 # Scheme -> (needs a calibration?, description); see `scheme_policy`.
 SCHEMES = {
     "bf16": (False, "dense bf16 cache"),
+    "fp8": (False, "float8 e4m3 K/V, per-head scales from the prompt's amax (vLLM fp8_e4m3), no sink/window"),
     "int8": (False, "per-token INT8, no rotation, OSCAR's sink/window"),
     "int4": (False, "per-token asymmetric INT4, no rotation, OSCAR's sink/window"),
     "naive-int2": (False, "per-token INT2, no rotation, no sink/window"),
@@ -65,6 +66,8 @@ def scheme_policy(name: str, calibrated: oc.LayerParams | None = None, implement
     quant = functools.partial(kv_policy.QuantPolicy, implementation=implementation)
     if name == "bf16":
         return kv_policy.DensePolicy("bfloat16")
+    if name == "fp8":
+        return kv_policy.DensePolicy("float8_e4m3fn")
     if name in ("int8", "int4"):
         return quant(name, QuantConfig(bits=int(name[3])), 64, 256)
     if name == "naive-int2":

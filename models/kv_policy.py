@@ -10,6 +10,8 @@ under the dense policies (so dense decoding equals a full forward exactly).
 
 Policies and their stored formats (bits/element from the real format):
   bf16, fp32     `DenseCache`, 16 / 32 bits.
+  fp8            `DenseCache` of float8_e4m3fn with a float32 scale per (sequence,
+                 layer, KV head), vLLM's `kv_cache_dtype="fp8_e4m3"`: 8 bits + the scales.
   oscar          `OscarCache` INT2 + bf16 sink 64 / window 256, rotations and
                  clips from a calibration artifact (identity, 0.96/0.92 without one).
   quarot         `OscarCache` INT2, Hadamard rotations, clip 1, OSCAR's sink/window.
@@ -38,6 +40,11 @@ from oscar_jax.config import bits_per_element as bpe_formula
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _HI = jax.lax.Precision.HIGHEST
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# vLLM's `calculate_kv_scales` divisors (envs K_SCALE_CONSTANT, V_SCALE_CONSTANT): the
+# prompt's amax lands at 200 (keys) / 100 (values) of 448, leaving headroom for later tokens.
+FP8_AMAX_TO = {"k": 200.0, "v": 100.0}
 
 
 def _static(default=dataclasses.MISSING):
@@ -51,19 +58,26 @@ def _static(default=dataclasses.MISSING):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseCache:
-    """Unquantised cache: k, v [L, B, Hkv, T_max, D] (bf16 or f32), lengths int32 [L, B].
-    `window` (sliding layers) limits what a query sees to its last `window` positions."""
+    """Full-cache K/V: k, v [L, B, Hkv, T_max, D] (bf16, f32 or float8_e4m3fn), lengths int32 [L, B].
+
+    float8 only: k_scale, v_scale float32 [L, B, Hkv]; the cache holds
+    e4m3(clip(x / scale, ±448)) and attention reads stored * scale (`fp8_scale`
+    says how the scale is set). `window` (sliding layers) limits what a query sees
+    to its last `window` positions."""
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
     window: int | None = _static(None)
 
     @classmethod
     def init(cls, num_layers, batch, kv_heads, head_dim, max_len, dtype, window=None) -> "DenseCache":
         shape = (num_layers, batch, kv_heads, max_len, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.zeros((num_layers, batch), jnp.int32), window)
+        scale = lambda: jnp.ones((num_layers, batch, kv_heads), jnp.float32) if dtype == FP8 else None
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((num_layers, batch), jnp.int32),
+                   scale(), scale(), window)  # distinct buffers: the state is donated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +191,34 @@ def _kivi_refresh(c: KiviCache, old_q: jax.Array) -> KiviCache:
     return dataclasses.replace(c, k=jnp.where(fresh, pad(deq_k), c.k), v=jnp.where(fresh, pad(deq_v), c.v))
 
 
+def fp8_scale(x: jax.Array, held: jax.Array, which: str) -> jax.Array:
+    """The static fp8 scale of one sequence and KV head, set once from its prompt:
+    amax(|x|) over the held tokens / FP8_AMAX_TO[which] (vLLM's `calculate_kv_scales`
+    rule, per KV head instead of per tensor); 1.0 (vLLM's uncalibrated default) when
+    the prompt is all zeros. x [B, H, T, D], held bool [B, 1, T, 1] -> float32 [B, H].
+    Later tokens never change it; beyond ±448 * scale they saturate."""
+    amax = jnp.max(jnp.where(held, jnp.abs(x.astype(jnp.float32)), 0.0), axis=(2, 3))
+    return jnp.where(amax > 0, amax / FP8_AMAX_TO[which], 1.0)
+
+
+def _store(x: jax.Array, dtype, scale: jax.Array | None) -> jax.Array:
+    """x -> the cache's storage dtype; float8 stores clip(x / scale, ±448) (vLLM's saturating
+    cast). scale broadcasts against x (None unless float8)."""
+    if scale is None:
+        return x.astype(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(dtype)
+
+
+def _load(stored: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """Stored [B, H, T, D] -> float32 (times scale [B, H] for float8)."""
+    x = stored.astype(jnp.float32)
+    return x if scale is None else x * scale[:, :, None, None]
+
+
+def _scales(layer) -> tuple[jax.Array | None, jax.Array | None]:
+    return (layer.k_scale, layer.v_scale) if isinstance(layer, DenseCache) else (None, None)
+
+
 def write_prompt(layer, k: jax.Array, v: jax.Array, lengths: jax.Array):
     """Bulk write of whole prompts into one layer. k, v [B, T, Hkv, D] post-RoPE; lengths [B]."""
     if isinstance(layer, OscarGroup):
@@ -184,8 +226,15 @@ def write_prompt(layer, k: jax.Array, v: jax.Array, lengths: jax.Array):
     if isinstance(layer, oc.RingCache):
         return oc.ring_write_prompt(layer, k, v, lengths)
     t_max = layer.k.shape[2]
-    new = dataclasses.replace(layer, k=_to_cache_layout(k, t_max).astype(layer.k.dtype),
-                              v=_to_cache_layout(v, t_max).astype(layer.v.dtype), lengths=lengths)
+    k, v = _to_cache_layout(k, t_max), _to_cache_layout(v, t_max)  # [B, H, T_max, D]
+    if _scales(layer)[0] is None:
+        new = dataclasses.replace(layer, k=k.astype(layer.k.dtype), v=v.astype(layer.v.dtype), lengths=lengths)
+    else:
+        held = (jnp.arange(t_max) < lengths[:, None])[:, None, :, None]
+        k_scale, v_scale = fp8_scale(k, held, "k"), fp8_scale(v, held, "v")
+        new = dataclasses.replace(layer, k=_store(k, FP8, k_scale[:, :, None, None]),
+                                  v=_store(v, FP8, v_scale[:, :, None, None]),
+                                  k_scale=k_scale, v_scale=v_scale, lengths=lengths)
     if isinstance(layer, KiviCache):
         new = _kivi_refresh(new, jnp.zeros_like(lengths))
     return new
@@ -198,8 +247,13 @@ def _dense_append_attend(layer, q, k, v, softmax_scale, window):
     n = layer.lengths
     pos = n[:, None] + jnp.arange(c)[None, :]  # [B, C]
     bidx = jnp.arange(b)[:, None]
-    put = lambda cache, x: cache.at[bidx, :, pos].set(x.astype(cache.dtype), mode="drop")
-    layer = dataclasses.replace(layer, k=put(layer.k, k), v=put(layer.v, v), lengths=n + c)
+    k_scale, v_scale = _scales(layer)
+
+    def put(cache, x, scale):  # the scatter's value is [B, C, Hkv, D]
+        x = _store(x, cache.dtype, None if scale is None else scale[:, None, :, None])
+        return cache.at[bidx, :, pos].set(x, mode="drop")
+
+    layer = dataclasses.replace(layer, k=put(layer.k, k, k_scale), v=put(layer.v, v, v_scale), lengths=n + c)
     if isinstance(layer, KiviCache):
         layer = _kivi_refresh(layer, layer.quantised_length(n))
     kp = jnp.arange(t_max)[None, None, :]
@@ -207,10 +261,10 @@ def _dense_append_attend(layer, q, k, v, softmax_scale, window):
     if window is not None:
         mask &= kp > pos[..., None] - window
     qg = q.astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
-    s = jnp.einsum("bchgd,bhsd->bhgcs", qg, layer.k.astype(jnp.float32), precision=_HI) * softmax_scale
+    s = jnp.einsum("bchgd,bhsd->bhgcs", qg, _load(layer.k, k_scale), precision=_HI) * softmax_scale
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhgcs,bhsd->bchgd", p, layer.v.astype(jnp.float32), precision=_HI)
+    o = jnp.einsum("bhgcs,bhsd->bchgd", p, _load(layer.v, v_scale), precision=_HI)
     return o.reshape(b, c, hq, d).astype(q.dtype), layer
 
 
@@ -237,13 +291,14 @@ def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_sc
 
 @dataclasses.dataclass(frozen=True)
 class DensePolicy:
-    """Unquantised baseline: dtype "bfloat16" or "float32" for every layer."""
+    """A full cache of dtype "bfloat16", "float32" or "float8_e4m3fn" (with per-head
+    scales, see `fp8_scale`) for every layer; no sink, no window."""
 
     dtype: str = "bfloat16"
 
     @property
     def name(self) -> str:
-        return {"bfloat16": "bf16", "float32": "fp32"}[self.dtype]
+        return {"bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "fp8"}[self.dtype]
 
     def init(self, cfg, batch: int, max_len: int, chunk: int = 1) -> KVState:
         groups = {}
@@ -388,7 +443,10 @@ def _group_bits(group, n: np.ndarray) -> tuple[float, float]:
         bits = (q * (k_bits + v_bits) / 2 + (n - q) * 16).sum()
         return layers * float(bits), layers * float(n.sum())
     held = n.astype(np.float64) if group.window is None else np.minimum(n, group.window).astype(np.float64)
-    return layers * 8 * group.k.dtype.itemsize * held.sum(), layers * held.sum()
+    bits = 8 * group.k.dtype.itemsize * held.sum()
+    if group.k_scale is not None:  # one float32 scale per sequence and head, over its D channels
+        bits += group.k_scale.dtype.itemsize * 8 / group.k.shape[-1] * np.count_nonzero(n)
+    return layers * bits, layers * held.sum()
 
 
 def bits_per_element(state: KVState) -> float:
@@ -424,7 +482,7 @@ def check_fits(state: KVState, new_lengths: np.ndarray) -> None:
 def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, str] | None = None) -> KVState:
     """NamedSharding pytree for a KV state on `mesh`: batch -> "data", KV heads ->
     "model" (replicated where they do not divide), via `oscar_jax.sharding`'s rules;
-    dense/KIVI caches [L, B, Hkv, T, D] follow the same rules."""
+    dense/KIVI caches [L, B, Hkv, T, D] (and fp8 scales [L, B, Hkv]) follow the same rules."""
     rules = sharding.DEFAULT_RULES if rules is None else rules
 
     def axis(name: str, size: int):
@@ -442,7 +500,9 @@ def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, st
             return sharding.shardings(g, mesh, rules)
         _, b, h, _, _ = g.k.shape
         kv = named(P(None, axis("batch", b), axis("kv_heads", h), None, None))
-        return dataclasses.replace(g, k=kv, v=kv, lengths=named(P(None, axis("batch", b))))
+        scale = named(P(None, axis("batch", b), axis("kv_heads", h)))
+        scales = {"k_scale": scale, "v_scale": scale} if _scales(g)[0] is not None else {}
+        return dataclasses.replace(g, k=kv, v=kv, lengths=named(P(None, axis("batch", b))), **scales)
 
     b = state.lengths.shape[0]
     return KVState({kind: group(g) for kind, g in state.groups.items()}, named(P(axis("batch", b))))

@@ -128,11 +128,12 @@ def test_eval_cli_writes_records(tiny, tmp_path, monkeypatch):
     text.write_text(" ".join(str(x) for x in rng.integers(0, 10, 600)))
     monkeypatch.setattr(registry, "load", lambda name, **kw: (tiny, _Bytes()))
     out = tmp_path / "r.json"
-    result = CliRunner().invoke(app, ["eval", "--model", TINY, "--text", str(text), "--kv", "bf16,quarot-int2",
+    result = CliRunner().invoke(app, ["eval", "--model", TINY, "--text", str(text), "--kv", "bf16,fp8,quarot-int2",
                                       "--tokens", "400", "--context", "400", "--chunk", "50",
                                       "--json", str(out), "--plot", str(tmp_path / "p.png")])
     assert result.exit_code == 0, result.output
     records = json.loads(out.read_text())["results"]
-    assert [r["kv"] for r in records] == ["bf16", "quarot-int2"]
+    assert [r["kv"] for r in records] == ["bf16", "fp8", "quarot-int2"]
+    assert 8 < records[1]["bpe"] < 8.01
     assert all({"kv", "ppl", "kl", "top1", "bpe"} <= set(r) for r in records)
     assert (tmp_path / "p.png").stat().st_size > 0
