@@ -27,6 +27,7 @@ from cache_oracle import random_kv, signed_permutation
 from oscar_jax import attention, quant, reference
 from oscar_jax import cache as cache_lib
 from oscar_jax.config import CacheSpec, QuantConfig
+from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.gpu import mixed_attention, quantize_pack
 
 HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
@@ -193,8 +194,13 @@ def test_write_prompt_pallas_matches_xla(config, rotation, seed, exact=True):
     for which in ("k", "v"):
         codes = np.asarray(getattr(got, f"hist_codes_{which}"))
         codes_ref = np.asarray(getattr(want, f"hist_codes_{which}"))
-        mismatch = float(np.mean(codes != codes_ref))
-        assert mismatch <= (0.0 if exact else 2e-3), f"{which}: {mismatch:.2e} of code bytes differ"
+        if exact:
+            np.testing.assert_array_equal(codes, codes_ref, err_msg=f"codes_{which}")
+        else:
+            a = np.asarray(layout.unpack_codes(codes, bits), np.int32)
+            b = np.asarray(layout.unpack_codes(codes_ref, bits), np.int32)
+            assert np.abs(a - b).max() <= 1, f"{which}: a code moved by more than one level"
+            assert np.mean(a != b) <= 1e-2, f"{which}: {np.mean(a != b):.2e} of codes differ"
         for meta in ("lo", "scale"):
             a = np.asarray(getattr(got, f"hist_{meta}_{which}"), np.float32)
             b = np.asarray(getattr(want, f"hist_{meta}_{which}"), np.float32)
@@ -254,9 +260,70 @@ def test_attention_on_gpu_real_windows(d, g, c):
     _check_attention(rng, spec, g, c, np.array([c, 64 + 256 + 1, 1700, spec.max_len], np.int32))
 
 
+def _decision_margin(x, rot, lengths, cache, spec):
+    """|distance| of each history element's position u = (x·R - lo)/scale (float64, from
+    `cache`'s metadata) to the nearest decision boundary of the codebook, in units of
+    scale; NaN outside the written history. x [2 (k, v), B, T, H, D]; rot [H, D, D]."""
+    bits, s0, w = spec.quant.bits, spec.sink, spec.window
+    levels = np.asarray(spec.quant.levels)
+    bounds = 0.5 * (levels[1:] + levels[:-1])
+    xr = np.einsum("kbthd,hde->kbhte", np.asarray(x, np.float64), np.asarray(rot, np.float64))
+    out = []
+    for which, r in (("k", 0), ("v", 1)):
+        lo = np.asarray(layout.unpack_meta(getattr(cache, f"hist_lo_{which}"), bits), np.float64)
+        sc = np.asarray(layout.unpack_meta(getattr(cache, f"hist_scale_{which}"), bits), np.float64)
+        n_hist = lo.shape[2]
+        g = spec.head_dim // lo.shape[-1]
+        u = (xr[r][:, :, s0: s0 + n_hist] - np.repeat(lo, g, -1)) / np.repeat(sc, g, -1)
+        margin = np.min(np.abs(u[..., None] - bounds), axis=-1)
+        slot = np.arange(n_hist)[None, None, :, None]
+        held = slot < (np.asarray(lengths) - s0 - w)[:, None, None, None]
+        out.append(np.where(held, margin, np.nan))
+    return out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", WRITE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_write_prompt_on_gpu_ties_only(config):
+    """With an exact (signed-permutation) rotation the compiled kernel and XLA agree on every
+    sink/ring value and every metadata entry; a code may differ by one level only where
+    u = (x - lo)/scale sits on a decision boundary (bf16 lo/scale put many elements
+    exactly on k + 1/2, and Triton's division is not correctly rounded)."""
+    d, g_size, codebook, scale_dtype, bits = config
+    spec = CacheSpec(1, 3, 2, d, SINK + 90 + WINDOW, SINK, WINDOW,
+                     QuantConfig(bits, None if g_size == d else g_size, codebook, scale_dtype))
+    rng = np.random.default_rng([d, g_size, bits])
+    rot = signed_permutation(rng, spec.kv_heads, d)
+    params = cache_lib.LayerParams.create(rot, rot, 0.9, 0.9, num_layers=1, kv_heads=spec.kv_heads).layer(0)
+    t = spec.max_len - 17
+    k = jnp.asarray(random_kv(rng, 3, t, spec.kv_heads, d), jnp.bfloat16)
+    v = jnp.asarray(random_kv(rng, 3, t, spec.kv_heads, d), jnp.bfloat16)
+    lengths = jnp.asarray([t, t - 30, 40])
+    write = jax.jit(cache_lib.write_prompt, static_argnames=("implementation",))
+    empty = cache_lib.OscarCache.init(spec).layer(0)
+    got = write(empty, k, v, lengths, params, implementation="pallas")
+    want = write(empty, k, v, lengths, params, implementation="xla")
+    for name in ("sink_k", "sink_v", "recent_k", "recent_v", "lengths", "hist_lo_k", "hist_lo_v",
+                 "hist_scale_k", "hist_scale_v"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name), np.float32),
+                                   np.asarray(getattr(want, name), np.float32), rtol=1e-5, err_msg=name)
+    margins = _decision_margin(np.stack([np.asarray(k, np.float32), np.asarray(v, np.float32)]), rot,
+                               lengths, want, spec)
+    for which, margin in zip("kv", margins):
+        a = np.asarray(layout.unpack_codes(getattr(got, f"hist_codes_{which}"), bits), np.int32)
+        b = np.asarray(layout.unpack_codes(getattr(want, f"hist_codes_{which}"), bits), np.int32)
+        held = ~np.isnan(margin)
+        differ = (a != b) & held
+        assert np.abs(a - b)[held].max(initial=0) <= 1, which
+        assert np.all(margin[differ] < 1e-4), (
+            f"{which}: {differ.sum()} codes differ, {np.sum(margin[differ] >= 1e-4)} away from a boundary")
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("config", WRITE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_write_prompt_on_gpu(config):
-    # Compiled division and summation order may move a code at a rounding boundary.
+    # A dense rotation adds bf16 rounding of x·R (1 ulp moves lo/scale and the codes near
+    # a boundary): measured on an H200, <= 0.34% of code elements, by one level.
     test_write_prompt_pallas_matches_xla(config, "dense", 0, exact=False)
