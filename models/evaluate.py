@@ -26,6 +26,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
+from oscar_jax import artifact
 from oscar_jax import cache as oc
 from oscar_jax import rotation
 from oscar_jax.config import QuantConfig
@@ -254,7 +255,8 @@ def plot(results: list[SchemeResult], baseline_ppl: float, path, title: str) -> 
 @app.command("eval")
 def eval_command(
     model: str = typer.Option(..., help="smollm2 | gemma3 | a .gguf file | an HF checkpoint directory"),
-    text: str = typer.Option("shakespeare", help="a UTF-8 text FILE, or 'shakespeare' (its evaluation works)"),
+    text: str = typer.Option("shakespeare", help="a UTF-8 text FILE, 'shakespeare' (its evaluation works) or "
+                                                 "'shakespeare-validation' (for choosing between calibrations)"),
     kv: str = typer.Option("bf16,naive-int2-win,kivi2,quarot-int2,oscar",
                            help=f"comma-separated schemes from: {', '.join(SCHEMES)}"),
     rotations: Path | None = typer.Option(None, help="calibration artifact for the oscar* schemes"),
@@ -279,11 +281,12 @@ def eval_command(
         raise typer.Exit(1)
     if tokenizer is None:
         raise typer.BadParameter(f"--model {model}: no tokenizer found to encode --text")
-    if text == "shakespeare":
-        eval_text, eval_works = corpus.shakespeare_text("evaluation")
+    if text in ("shakespeare", "shakespeare-validation"):
+        split = "evaluation" if text == "shakespeare" else "validation"
+        eval_text, eval_works = corpus.shakespeare_text(split)
         calib_text, calib_works = corpus.shakespeare_text("calibration")
-        source = {"eval": f"shakespeare: {', '.join(eval_works)}",
-                  "calibration": f"shakespeare: {', '.join(calib_works)}"}
+        source = {"eval": f"shakespeare {split}: {', '.join(eval_works)}",
+                  "calibration": f"shakespeare calibration: {', '.join(calib_works)}"}
         eval_ids = np.asarray(tokenizer.encode(eval_text), np.int32)
         calib_ids = np.asarray(tokenizer.encode(calib_text), np.int32)
     else:  # one file: calibrate on its first tokens, evaluate on the rest
@@ -295,7 +298,10 @@ def eval_command(
     if any(SCHEMES[n][0] for n in names):
         if rotations:
             calibrated, calibrated_quant = load_calibration(rotations, decoder.cfg)
-            source["calibration"] = f"artifact {rotations}"
+            md = artifact.read_metadata(rotations)
+            source["calibration"] = (f"artifact {rotations}: {md.tokens} tokens (corpus hash {md.corpus_hash[:12]}, "
+                                     f"{md.rotation_k}/{md.rotation_v}, G={md.group_size}) of "
+                                     + source["calibration"])
         else:
             console.print(f"no --rotations: calibrating on {calibration_tokens} tokens of the "
                           f"calibration text first (disjoint from the evaluation text)")
