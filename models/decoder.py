@@ -83,16 +83,36 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def causal_attention(q, k, v, lengths, *, softmax_scale: float, window: int | None):
+def causal_attention(q, k, v, lengths, *, softmax_scale: float, window: int | None,
+                     query_block: int = 2048):
     """Full-precision attention over a whole (right-padded) prompt.
 
     q [B, T, Hq, D], k, v [B, T, Hkv, D], lengths int32 [B]: query t sees keys
     s <= t with s < lengths[b] (and t - s < window for sliding layers).
-    Returns o [B, T, Hq, D].
+    Returns o [B, T, Hq, D]. Prompts longer than `query_block` are attended one
+    block of queries at a time, so scores take [B, Hq, query_block, T], not T².
     """
-    return jax.nn.dot_product_attention(
-        q, k, v, scale=softmax_scale, is_causal=True, key_value_seq_lengths=lengths,
-        local_window_size=None if window is None else (window - 1, 0))
+    b, t, hq, d = q.shape
+    if t <= query_block:
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=softmax_scale, is_causal=True, key_value_seq_lengths=lengths,
+            local_window_size=None if window is None else (window - 1, 0))
+    nb = -(-t // query_block)
+    qb = jnp.pad(q, ((0, 0), (0, nb * query_block - t), (0, 0), (0, 0)))
+    qb = jnp.moveaxis(qb.reshape(b, nb, query_block, hq, d), 1, 0)  # [nb, B, blk, Hq, D]
+    key_pos = jnp.arange(t)
+    held = (key_pos[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, T]
+
+    def block(args):
+        q_blk, start = args
+        q_pos = start + jnp.arange(query_block)[:, None]
+        mask = key_pos[None, :] <= q_pos
+        if window is not None:
+            mask &= q_pos - key_pos[None, :] < window
+        return jax.nn.dot_product_attention(q_blk, k, v, scale=softmax_scale, mask=mask[None, None] & held)
+
+    o = jax.lax.map(block, (qb, jnp.arange(nb) * query_block))
+    return jnp.moveaxis(o, 0, 1).reshape(b, nb * query_block, hq, d)[:, :t]
 
 
 @dataclasses.dataclass(frozen=True)
