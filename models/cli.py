@@ -44,7 +44,7 @@ def load_calibration(directory: Path, model_cfg):
 def generate(
     model: str = typer.Option(..., help="smollm2 | gemma3 | a .gguf file | an HF checkpoint directory"),
     prompt: str = typer.Option(..., help="the prompt text"),
-    kv: str = typer.Option("oscar", help="KV cache: bf16 | fp32 | oscar | quarot | kivi | int2 | int4 | int8"),
+    kv: str = typer.Option("oscar", help="KV cache: bf16 | fp32 | fp8 | oscar | quarot | kivi | int2 | int4 | int8"),
     rotations: Path | None = typer.Option(None, help="calibration artifact directory (--kv oscar)"),
     max_new_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),

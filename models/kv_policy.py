@@ -396,7 +396,7 @@ def oscar_policy(layer_params: oc.LayerParams | None = None, *, quant: QuantConf
                        implementation)
 
 
-POLICIES = ("bf16", "fp32", "oscar", "quarot", "kivi", "int2", "int4", "int8")
+POLICIES = ("bf16", "fp32", "fp8", "oscar", "quarot", "kivi", "int2", "int4", "int8")
 
 
 def make_policy(name: str, layer_params: oc.LayerParams | None = None, *, quant: QuantConfig | None = None,
@@ -408,6 +408,8 @@ def make_policy(name: str, layer_params: oc.LayerParams | None = None, *, quant:
         return DensePolicy("bfloat16")
     if name == "fp32":
         return DensePolicy("float32")
+    if name == "fp8":
+        return DensePolicy("float8_e4m3fn")
     if name == "oscar":
         return oscar_policy(layer_params, quant=quant, implementation=implementation)
     if name == "quarot":
