@@ -90,29 +90,27 @@ def causal_attention(q, k, v, lengths, *, softmax_scale: float, window: int | No
     q [B, T, Hq, D], k, v [B, T, Hkv, D], lengths int32 [B]: query t sees keys
     s <= t with s < lengths[b] (and t - s < window for sliding layers).
     Returns o [B, T, Hq, D]. Prompts longer than `query_block` are attended one
-    block of queries at a time, so scores take [B, Hq, query_block, T], not T².
+    block of queries at a time, each against only the keys it can see (causal
+    prefix, or the last `window`), so scores take [B, Hq, query_block, <= T].
     """
-    b, t, hq, d = q.shape
+    t = q.shape[1]
     if t <= query_block:
         return jax.nn.dot_product_attention(
             q, k, v, scale=softmax_scale, is_causal=True, key_value_seq_lengths=lengths,
             local_window_size=None if window is None else (window - 1, 0))
-    nb = -(-t // query_block)
-    qb = jnp.pad(q, ((0, 0), (0, nb * query_block - t), (0, 0), (0, 0)))
-    qb = jnp.moveaxis(qb.reshape(b, nb, query_block, hq, d), 1, 0)  # [nb, B, blk, Hq, D]
-    key_pos = jnp.arange(t)
-    held = (key_pos[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, T]
-
-    def block(args):
-        q_blk, start = args
-        q_pos = start + jnp.arange(query_block)[:, None]
-        mask = key_pos[None, :] <= q_pos
+    out = []
+    for q0 in range(0, t, query_block):
+        q1 = min(q0 + query_block, t)
+        k0 = 0 if window is None else max(0, q0 - window + 1)
+        q_pos = jnp.arange(q0, q1)[:, None]
+        k_pos = jnp.arange(k0, q1)[None, :]
+        mask = k_pos <= q_pos
         if window is not None:
-            mask &= q_pos - key_pos[None, :] < window
-        return jax.nn.dot_product_attention(q_blk, k, v, scale=softmax_scale, mask=mask[None, None] & held)
-
-    o = jax.lax.map(block, (qb, jnp.arange(nb) * query_block))
-    return jnp.moveaxis(o, 0, 1).reshape(b, nb * query_block, hq, d)[:, :t]
+            mask &= q_pos - k_pos < window
+        held = k_pos[None] < lengths[:, None, None]  # [B, 1, S]
+        out.append(jax.nn.dot_product_attention(q[:, q0:q1], k[:, k0:q1], v[:, k0:q1], scale=softmax_scale,
+                                                mask=(mask[None] & held)[:, None]))
+    return jnp.concatenate(out, axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
