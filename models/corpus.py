@@ -6,8 +6,8 @@ also in Folio spelling (`*_gut_f.txt`); only modern-spelling files are used.
 Six plays are the evaluation split, two more the validation split (for choosing
 between calibrated variants without touching the evaluation plays); every
 other work is calibration text.
-A user's own FILE is split by position instead: calibration takes the first
-`calibration_fraction` of its tokens, evaluation the rest.
+A user's own FILE is split by position instead (`oscar eval --text FILE`): the
+first tokens calibrate, the rest are evaluated.
 """
 
 from __future__ import annotations
