@@ -90,27 +90,38 @@ def causal_attention(q, k, v, lengths, *, softmax_scale: float, window: int | No
     q [B, T, Hq, D], k, v [B, T, Hkv, D], lengths int32 [B]: query t sees keys
     s <= t with s < lengths[b] (and t - s < window for sliding layers).
     Returns o [B, T, Hq, D]. Prompts longer than `query_block` are attended one
-    block of queries at a time, each against only the keys it can see (causal
-    prefix, or the last `window`), so scores take [B, Hq, query_block, <= T].
+    block of queries after another (`lax.map`), so scores take [B, Hq, query_block,
+    S]: S = T keys for full layers, only the query_block + window - 1 it can see
+    for sliding ones.
     """
-    t = q.shape[1]
+    b, t, hq, d = q.shape
     if t <= query_block:
         return jax.nn.dot_product_attention(
             q, k, v, scale=softmax_scale, is_causal=True, key_value_seq_lengths=lengths,
             local_window_size=None if window is None else (window - 1, 0))
-    out = []
-    for q0 in range(0, t, query_block):
-        q1 = min(q0 + query_block, t)
-        k0 = 0 if window is None else max(0, q0 - window + 1)
-        q_pos = jnp.arange(q0, q1)[:, None]
-        k_pos = jnp.arange(k0, q1)[None, :]
-        mask = k_pos <= q_pos
+    nb = -(-t // query_block)
+    tail = nb * query_block - t
+    qb = jnp.pad(q, ((0, 0), (0, tail), (0, 0), (0, 0)))
+    qb = jnp.moveaxis(qb.reshape(b, nb, query_block, hq, d), 1, 0)  # [nb, B, blk, Hq, D]
+    front = 0 if window is None else window - 1  # key index i holds position i - front
+    span = t if window is None else query_block + window - 1
+    pad_kv = lambda x: jnp.pad(x, ((0, 0), (front, 0 if window is None else tail), (0, 0), (0, 0)))
+    k, v = pad_kv(k), pad_kv(v)
+
+    def block(args):
+        q_blk, q0 = args
+        kb, vb = (x if window is None else jax.lax.dynamic_slice_in_dim(x, q0, span, axis=1) for x in (k, v))
+        q_pos = q0 + jnp.arange(query_block)[:, None]
+        k_pos = (0 if window is None else q0 - front) + jnp.arange(span)[None, :]
+        mask = (k_pos <= q_pos) & (k_pos >= 0)
         if window is not None:
             mask &= q_pos - k_pos < window
         held = k_pos[None] < lengths[:, None, None]  # [B, 1, S]
-        out.append(jax.nn.dot_product_attention(q[:, q0:q1], k[:, k0:q1], v[:, k0:q1], scale=softmax_scale,
-                                                mask=(mask[None] & held)[:, None]))
-    return jnp.concatenate(out, axis=1)
+        return jax.nn.dot_product_attention(q_blk, kb, vb, scale=softmax_scale,
+                                            mask=(mask[None] & held)[:, None])
+
+    o = jax.lax.map(block, (qb, jnp.arange(nb) * query_block))
+    return jnp.moveaxis(o, 0, 1).reshape(b, nb * query_block, hq, d)[:, :t]
 
 
 @dataclasses.dataclass(frozen=True)

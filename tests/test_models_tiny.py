@@ -310,7 +310,7 @@ def test_sharded_kv_state_decodes_like_one_device(gemma_like):
     np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("window", [None, 7, 20])
 def test_query_blocked_prompt_attention_matches_numpy(window):
     """Prompts longer than the query block are attended block by block: same causal,
     ragged and sliding-window masks as a direct softmax over all keys (numpy, float64)."""
