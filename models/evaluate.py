@@ -65,10 +65,8 @@ def scheme_policy(name: str, calibrated: oc.LayerParams | None = None, implement
         raise ValueError(f"kv scheme {name!r} needs calibrated rotations (--rotations DIR, or let eval calibrate)")
     int2 = QuantConfig(bits=2)
     quant = functools.partial(kv_policy.QuantPolicy, implementation=implementation)
-    if name == "bf16":
-        return kv_policy.DensePolicy("bfloat16")
-    if name == "fp8":
-        return kv_policy.DensePolicy("float8_e4m3fn")
+    if name in ("bf16", "fp8"):
+        return kv_policy.make_policy(name)
     if name in ("int8", "int4"):
         return quant(name, QuantConfig(bits=int(name[3])), 64, 256)
     if name == "naive-int2":
