@@ -151,6 +151,8 @@ def calibrate(
     clips: str = typer.Option("fit", help="fit (grid clip-min..1.00 on held-aside tokens) | fixed (0.96/0.92)"),
     clip_min: float = typer.Option(0.70, min=0.05, max=1.0, help="lowest clip ratio of the fit grid (step 0.01)"),
     group_size: int | None = typer.Option(None, help="quantiser group size G (default: head dim)"),
+    sink: int = typer.Option(64, min=0, help="bf16 sink tokens the artifact is served with"),
+    window: int = typer.Option(256, min=1, help="bf16 recent-window tokens the artifact is served with"),
     sample_tokens: int = typer.Option(4096, min=1, help="bounded sample for the published value weights"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside logit error to print"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
@@ -187,7 +189,8 @@ def calibrate(
                            quant_cfg=quant_cfg, clips=clips, grid=grid)
     fit_s = time.perf_counter() - t0
     meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
-                         corpus_hash=artifact.fingerprint(ids), layers=run.layers)
+                         corpus_hash=artifact.fingerprint(ids), layers=run.layers,
+                         sink=sink, window=window)
     spread_k, spread_v = eigen_spread(run.stats)
     table = Table(title=f"oscar calibrate {model}: {run.stats.tokens} tokens, {meta.rotation_k}/"
                         f"{meta.rotation_v}, {value_weighting}, clips {clips}")

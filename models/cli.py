@@ -29,15 +29,19 @@ COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.m
                                      "oscar_jax.models.needle")
 
 
-def load_calibration(directory: Path, model_cfg):
-    """(LayerParams of the model's full-attention layers, the QuantConfig their clips
-    were fitted for) from an artifact directory (`oscar_jax.artifact`); the artifact's
-    group size and codebook are served as calibrated."""
+def load_calibration(directory: Path, model_cfg, implementation: str = "auto"):
+    """The calibrated OSCAR policy (`kv_policy.QuantPolicy`) of an artifact directory
+    (`oscar_jax.artifact`): its rotations and clips for the model's full-attention
+    layers, served with the quantiser (group size, codebook) and the bf16 sink/window
+    it was calibrated for."""
     from oscar_jax import artifact
     from oscar_jax.config import QuantConfig
+    from oscar_jax.models import kv_policy
 
     params = artifact.load_layer_params(directory, model_cfg=model_cfg)
-    return params, QuantConfig(**artifact.read_metadata(directory).quant)
+    meta = artifact.read_metadata(directory)
+    return kv_policy.oscar_policy(params, quant=QuantConfig(**meta.quant), sink=meta.sink, window=meta.window,
+                                  implementation=implementation)
 
 
 @app.command()
@@ -67,9 +71,11 @@ def generate(
     except registry.ModelNotInstalled as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(1)
-    layer_params, quant = load_calibration(rotations, decoder.cfg) if rotations else (None, None)
+    if rotations and kv != "oscar":
+        raise typer.BadParameter(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
     try:
-        policy = kv_policy.make_policy(kv, layer_params, quant=quant, implementation=implementation)
+        policy = (load_calibration(rotations, decoder.cfg, implementation) if rotations
+                  else kv_policy.make_policy(kv, implementation=implementation))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     if tokenizer is None:  # random weights without a tokenizer: UTF-8 bytes as ids

@@ -54,14 +54,13 @@ SCHEMES = {
 }
 
 
-def scheme_policy(name: str, calibrated: oc.LayerParams | None = None, implementation: str = "auto",
-                  calibrated_quant: QuantConfig = QuantConfig(bits=2)):
-    """The KV policy of an evaluation scheme. `calibrated` (stacked LayerParams of the
-    full-attention layers) and the quantiser they were fitted for are what the
-    `oscar*` schemes serve."""
+def scheme_policy(name: str, served: kv_policy.QuantPolicy | None = None, implementation: str = "auto"):
+    """The KV policy of an evaluation scheme. `served`: the calibrated OSCAR policy
+    (`kv_policy.oscar_policy` with the artifact's rotations, clips, quantiser and
+    sink/window); the `oscar*` schemes are it and its ablations."""
     if name not in SCHEMES:
         raise ValueError(f"kv scheme {name!r}: expected one of {tuple(SCHEMES)}")
-    if SCHEMES[name][0] and calibrated is None:
+    if SCHEMES[name][0] and served is None:
         raise ValueError(f"kv scheme {name!r} needs calibrated rotations (--rotations DIR, or let eval calibrate)")
     int2 = QuantConfig(bits=2)
     quant = functools.partial(kv_policy.QuantPolicy, implementation=implementation)
@@ -77,7 +76,7 @@ def scheme_policy(name: str, calibrated: oc.LayerParams | None = None, implement
         return kv_policy.KiviPolicy()
     if name == "quarot-int2":
         return quant(name, int2, 64, 256, "hadamard")
-    params = calibrated
+    params = served.layer_params
     if name == "oscar-fixedclip":
         params = dataclasses.replace(params, clip_k=jnp.full_like(params.clip_k, FIXED_CLIPS[0]),
                                      clip_v=jnp.full_like(params.clip_v, FIXED_CLIPS[1]))
@@ -86,9 +85,9 @@ def scheme_policy(name: str, calibrated: oc.LayerParams | None = None, implement
         rot = rotation.hadamard(d) if name == "oscar-hadamard" else rotation.identity(d)
         params = oc.LayerParams.create(rot, rot, params.clip_k, params.clip_v,
                                        num_layers=params.rot_k.shape[0], kv_heads=params.rot_k.shape[1])
-    codebook = "lloyd_max" if name == "oscar-lloyd" else calibrated_quant.codebook
-    return quant(name, dataclasses.replace(calibrated_quant, codebook=codebook), 64, 256, "artifact",
-                 layer_params=params)
+    codebook = "lloyd_max" if name == "oscar-lloyd" else served.quant.codebook
+    return dataclasses.replace(served, name=name, quant=dataclasses.replace(served.quant, codebook=codebook),
+                               layer_params=params, implementation=implementation)
 
 
 @dataclasses.dataclass
@@ -292,21 +291,23 @@ def eval_command(
         split = calibration_tokens + 2048 if any(SCHEMES[n][0] for n in names) and not rotations else 0
         calib_ids, eval_ids = ids[:split], ids[split:]
         source = {"eval": f"{text} tokens [{split}, end)", "calibration": f"{text} tokens [0, {split})"}
-    calibrated, calibrated_quant = None, QuantConfig(bits=2)
+    served = None
     if any(SCHEMES[n][0] for n in names):
         if rotations:
-            calibrated, calibrated_quant = load_calibration(rotations, decoder.cfg)
+            served = load_calibration(rotations, decoder.cfg)
             md = artifact.read_metadata(rotations)
             source["calibration"] = (f"artifact {rotations}: {md.tokens} tokens (corpus hash {md.corpus_hash[:12]}, "
-                                     f"{md.rotation_k}/{md.rotation_v}, G={md.group_size}) of "
+                                     f"{md.rotation_k}/{md.rotation_v}, G={md.group_size}, sink {md.sink}, "
+                                     f"window {md.window}) of "
                                      + source["calibration"])
         else:
             console.print(f"no --rotations: calibrating on {calibration_tokens} tokens of the "
                           f"calibration text first (disjoint from the evaluation text)")
-            calibrated = _calibrate(decoder, calib_ids, calibration_tokens, 2048, min(1024, context))
+            served = kv_policy.oscar_policy(
+                _calibrate(decoder, calib_ids, calibration_tokens, 2048, min(1024, context)))
     rows = windows(eval_ids, context, tokens)
     rows = rows[: len(rows) // batch * batch]
-    policies = {n: scheme_policy(n, calibrated, implementation, calibrated_quant) for n in names}
+    policies = {n: scheme_policy(n, served, implementation) for n in names}
     with Progress(console=console) as bar:
         task = bar.add_task(f"eval {len(rows)}x{context} tokens, {len(names)} schemes",
                             total=len(rows) * (context - chunk))

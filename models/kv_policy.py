@@ -388,10 +388,12 @@ class QuantPolicy:
 
 
 def oscar_policy(layer_params: oc.LayerParams | None = None, *, quant: QuantConfig | None = None,
-                 implementation: str = "auto") -> QuantPolicy:
+                 sink: int = 64, window: int = 256, implementation: str = "auto") -> QuantPolicy:
     """OSCAR INT2: calibrated rotations/clips when given, else identity with the reference
-    clips. quant: the quantiser the calibration was made for (default 2-bit, G = D)."""
-    return QuantPolicy("oscar", quant or QuantConfig(bits=2), 64, 256,
+    clips. quant, sink, window: the quantiser and bf16 segments the calibration serves
+    (default 2-bit, G = D, sink 64, window 256; `cli.load_calibration` reads them from
+    the artifact)."""
+    return QuantPolicy("oscar", quant or QuantConfig(bits=2), sink, window,
                        "identity" if layer_params is None else "artifact", 0.96, 0.92, layer_params,
                        implementation)
 
@@ -399,11 +401,9 @@ def oscar_policy(layer_params: oc.LayerParams | None = None, *, quant: QuantConf
 POLICIES = ("bf16", "fp32", "fp8", "oscar", "quarot", "kivi", "int2", "int4", "int8")
 
 
-def make_policy(name: str, layer_params: oc.LayerParams | None = None, *, quant: QuantConfig | None = None,
-                implementation: str = "auto"):
-    """A policy by name (one of POLICIES); layer_params and quant only for "oscar"."""
-    if layer_params is not None and name != "oscar":
-        raise ValueError(f"kv={name!r} takes no rotations; calibrated rotations are for kv='oscar'")
+def make_policy(name: str, *, implementation: str = "auto"):
+    """A policy by name (one of POLICIES); "oscar" here is uncalibrated (identity
+    rotation, the reference clips): a calibrated one comes from `cli.load_calibration`."""
     if name == "bf16":
         return DensePolicy("bfloat16")
     if name == "fp32":
@@ -411,7 +411,7 @@ def make_policy(name: str, layer_params: oc.LayerParams | None = None, *, quant:
     if name == "fp8":
         return DensePolicy("float8_e4m3fn")
     if name == "oscar":
-        return oscar_policy(layer_params, quant=quant, implementation=implementation)
+        return oscar_policy(implementation=implementation)
     if name == "quarot":
         return QuantPolicy("quarot", QuantConfig(bits=2), 64, 256, "hadamard", implementation=implementation)
     if name == "kivi":

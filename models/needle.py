@@ -98,12 +98,11 @@ def needle(
     decoder, tokenizer = registry.load(model)
     if tokenizer is None:
         raise typer.BadParameter(f"--model {model}: no tokenizer found")
-    calibrated, quant = load_calibration(rotations, decoder.cfg) if rotations else (None, None)
-    extra = {"calibrated_quant": quant} if quant else {}
+    served = load_calibration(rotations, decoder.cfg) if rotations else None
     results = []
     for name in names:
         try:
-            policy = scheme_policy(name, calibrated, **extra)
+            policy = scheme_policy(name, served)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
         results += run(decoder, tokenizer, policy, name, _parse_lengths(lengths),

@@ -50,7 +50,9 @@ class ArtifactMetadata:
     layers: the model's layer indices the stack covers, in order (e.g. Gemma 3's
     global layers); quant: QuantConfig fields the clips were fitted for;
     rotation_k/v, value_weighting, clip_mode: variant names; corpus_hash, tokens:
-    the calibration text; checksum: SHA-256 of the arrays; created: ISO-8601 UTC.
+    the calibration text; checksum: SHA-256 of the arrays; created: ISO-8601 UTC;
+    sink, window: the bf16 segments of the cache the artifact is served with
+    (artifacts written before these fields existed read as 64 / 256).
     """
 
     format_version: int
@@ -69,6 +71,8 @@ class ArtifactMetadata:
     tokens: int
     checksum: str
     created: str
+    sink: int = 64
+    window: int = 256
 
     @property
     def group_size(self) -> int:
@@ -92,8 +96,10 @@ def _checksum(arrays: dict[str, np.ndarray]) -> str:
 
 
 def save(path: str | Path, calibration: Calibration, *, model_name: str, config_hash: str,
-         corpus_hash: str, layers: tuple[int, ...] | None = None) -> ArtifactMetadata:
-    """Write `calibration` to the new directory `path` (must not exist)."""
+         corpus_hash: str, layers: tuple[int, ...] | None = None, sink: int = 64,
+         window: int = 256) -> ArtifactMetadata:
+    """Write `calibration` to the new directory `path` (must not exist); sink/window:
+    the cache's bf16 segments it is to be served with."""
     path = Path(path).absolute()
     if path.exists():
         raise ValueError(f"path={str(path)!r} already exists; artifacts are never overwritten")
@@ -108,7 +114,7 @@ def save(path: str | Path, calibration: Calibration, *, model_name: str, config_
         quant=dataclasses.asdict(calibration.quant), rotation_k=calibration.rot_k.spec.name,
         rotation_v=calibration.rot_v.spec.name, value_weighting=calibration.value_weighting,
         clip_mode=calibration.clip_mode, corpus_hash=corpus_hash, tokens=calibration.tokens,
-        checksum=_checksum(arrays),
+        checksum=_checksum(arrays), sink=sink, window=window,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
         ckpt.save(path, ocp.args.Composite(

@@ -52,6 +52,14 @@ def test_round_trip(tmp_path, calibrations, name):
     assert meta.layers == (0, 2, 4) and meta.tokens == 2 * 24
     assert meta.quant == {"bits": 2, "group_size": 8, "codebook": "uniform", "scale_dtype": "bfloat16"}
     assert artifact.load(path, head_dim=D, v_folded=True, **MODEL)[0].v_folded
+    assert (meta.sink, meta.window) == (64, 256)
+
+
+def test_served_sink_and_window(tmp_path, calibrations):
+    meta = artifact.save(tmp_path / "a", calibrations["uhp"], corpus_hash="c", layers=(0, 2, 4),
+                         sink=16, window=112, **MODEL)
+    assert (meta.sink, meta.window) == (16, 112)
+    assert artifact.read_metadata(tmp_path / "a") == meta
 
 
 @pytest.mark.parametrize("override, match", [

@@ -9,6 +9,7 @@ from scipy.special import log_softmax
 
 from oscar_jax import rotation
 from oscar_jax.cache import LayerParams
+from oscar_jax.config import QuantConfig
 from oscar_jax.models import evaluate as ev
 from oscar_jax.models import kv_policy, registry
 
@@ -87,7 +88,7 @@ def test_every_scheme_runs_through_its_cache(tiny):
     rot = np.linalg.qr(rng.standard_normal((2, h, d, d)))[0]
     calibrated = LayerParams.create(rot, rot[:, ::-1], jnp.array([0.9, 0.8]), jnp.array([0.85, 0.95]),
                                     num_layers=2, kv_heads=h)
-    policies = {name: ev.scheme_policy(name, calibrated) for name in ev.SCHEMES}
+    policies = {name: ev.scheme_policy(name, kv_policy.oscar_policy(calibrated)) for name in ev.SCHEMES}
     results = {r.kv: r for r in ev.evaluate(tiny, rows, policies, chunk=64)}
     assert set(results) == set(ev.SCHEMES)
     assert results["bf16"].bpe == 16.0 and results["bf16"].top1 > 0.98
@@ -97,11 +98,16 @@ def test_every_scheme_runs_through_its_cache(tiny):
             assert r.bpe < 16 and r.kl > results["bf16"].kl
     assert results["naive-int2"].kl > results["naive-int2-win"].kl  # no window at all is worse
     assert results["int8"].kl < results["int4"].kl < results["naive-int2-win"].kl
-    fixed = ev.scheme_policy("oscar-fixedclip", calibrated).layer_params
+    fixed = ev.scheme_policy("oscar-fixedclip", kv_policy.oscar_policy(calibrated)).layer_params
     np.testing.assert_allclose(fixed.clip_k, 0.96) and np.testing.assert_allclose(fixed.clip_v, 0.92)
-    hadamard = ev.scheme_policy("oscar-hadamard", calibrated).layer_params
+    hadamard = ev.scheme_policy("oscar-hadamard", kv_policy.oscar_policy(calibrated)).layer_params
     np.testing.assert_allclose(hadamard.rot_k[1, 0], rotation.hadamard(d))
     np.testing.assert_allclose(hadamard.clip_v, calibrated.clip_v)
+    served = kv_policy.oscar_policy(calibrated, quant=QuantConfig(group_size=16), sink=16, window=112)
+    for name in ("oscar", "oscar-lloyd", "oscar-fixedclip", "oscar-hadamard", "oscar-norot"):
+        p = ev.scheme_policy(name, served)  # the artifact's quantiser and bf16 segments are served
+        assert (p.name, p.sink, p.window, p.quant.group_size) == (name, 16, 112, 16)
+        assert p.quant.codebook == ("lloyd_max" if name == "oscar-lloyd" else "uniform")
 
 
 def test_scheme_errors_are_clear():

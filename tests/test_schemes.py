@@ -128,7 +128,7 @@ _append = jax.jit(functools.partial(kv_policy.append_attend, softmax_scale=D ** 
 def through_cache(name, k, v, lengths, extra, chunk, calibrated=None):
     """Prefill-style bulk write of k, v [B, T, Hkv, D] (rows `lengths` long), then one
     appended chunk `extra` = (k, v) [B, C, Hkv, D], into layer LAYER of the scheme's cache."""
-    state = ev.scheme_policy(name, calibrated).init(CFG, B, 400, chunk)
+    state = ev.scheme_policy(name, kv_policy.oscar_policy(calibrated)).init(CFG, B, 400, chunk)
     layer = kv_policy.layer_view(state.groups, kv_policy.FULL, LAYER)
     layer = _write(layer, jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths, jnp.int32))
     q = np.random.default_rng(5).standard_normal((B, chunk, HQ, D)).astype(np.float32)
