@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from oscar_jax.config import LLOYD_MAX_SPAN, QuantConfig
 from oscar_jax.pallas_kernels import layout
@@ -37,6 +38,19 @@ def _grouped(x: jax.Array, group_size: int) -> jax.Array:
     return x.reshape(*lead, d // group_size, group_size)
 
 
+def _exactly(x32: jax.Array, dtype) -> jax.Array:
+    """x32 (f32 values of a `dtype` array) pinned to `dtype`'s precision.
+
+    XLA:GPU may drop a f32 -> bf16 -> f32 convert pair (excess precision), which
+    made codes disagree with the bf16 data and metadata the cache stores;
+    reduce_precision keeps the rounding.
+    """
+    fi = jnp.finfo(dtype)
+    if fi.bits >= 32:
+        return x32
+    return lax.reduce_precision(x32, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
 def quantize(x: jax.Array, cfg: QuantConfig, clip: float | jax.Array = 1.0) -> Quantized:
     """x: [..., T, D] float -> Quantized with codes [..., T, D], lo/scale [..., T, D/G].
 
@@ -46,7 +60,7 @@ def quantize(x: jax.Array, cfg: QuantConfig, clip: float | jax.Array = 1.0) -> Q
     g = cfg.group_size or d
     if d % g:
         raise ValueError(f"x.shape[-1]={d} is not a multiple of group_size={g}")
-    xg = _grouped(x.astype(jnp.float32), g)  # [..., T, n_groups, G]
+    xg = _grouped(_exactly(x.astype(jnp.float32), x.dtype), g)  # [..., T, n_groups, G]
     clip = jnp.asarray(clip, jnp.float32)
     levels = jnp.asarray(cfg.levels, jnp.float32)
     top = float(cfg.levels[-1])
@@ -60,8 +74,8 @@ def quantize(x: jax.Array, cfg: QuantConfig, clip: float | jax.Array = 1.0) -> Q
         half = clip * LLOYD_MAX_SPAN * jnp.sqrt(jnp.mean((xg - mid[..., None]) ** 2, axis=-1))
     lo = (mid - half).astype(cfg.jnp_scale_dtype)
     scale = (2.0 * half / top).astype(cfg.jnp_scale_dtype)
-    lo32 = lo.astype(jnp.float32)[..., None]
-    scale32 = scale.astype(jnp.float32)[..., None]
+    lo32 = _exactly(lo.astype(jnp.float32), lo.dtype)[..., None]
+    scale32 = _exactly(scale.astype(jnp.float32), scale.dtype)[..., None]
     safe = jnp.where(scale32 > 0, scale32, 1.0)
     u = jnp.where(scale32 > 0, (xg - lo32) / safe, 0.0)  # position in units of scale
     if cfg.codebook == "uniform":
