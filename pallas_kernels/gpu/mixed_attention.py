@@ -9,6 +9,14 @@ partial output and its log-sum-exp; `merge_splits` combines them exactly in
 XLA. All g query heads and C queries of a KV head are the rows of one query
 block, so each packed code byte is read once per query block.
 
+A packed byte holds tpb = 4 tokens (positions 4r .. 4r+3) of one channel, so
+every query row is expanded into tpb rows: row s * (g * C) + i attends to the
+tokens of slice s only (positions = s mod tpb, in the history and in the bf16
+segments) and is one more partial softmax for the merge. A step's tpb MMAs
+(one per slice) then fill one [rows, tokens] score tile in which every row is
+a real query (decode, g = 4: 16 rows, no padding), instead of tpb tiles padded
+from g to 16 rows; the elementwise softmax work per token drops by tpb.
+
 History arithmetic never materialises dequantised keys or values:
   q·k̂ = scale·(q·level[code]) + lo·Σq          (per group of G channels)
   Σ p·v̂ = (p∘scale)·level[codes] + Σ p·lo
@@ -46,7 +54,7 @@ class BlockSizes:
 
     block_rows: packed history rows per inner step (tokens_per_byte * block_rows tokens).
     block_dense: bf16 sink / recent tokens per inner step.
-    block_q: most query rows (g * C, padded to a power of two >= 16) per program.
+    block_q: most expanded query rows (tpb * g * C, padded to a power of two >= 16) per program.
     num_splits: history splits per (row, KV head); None: enough splits that the
       grid has about `target_programs` programs.
     inline_asm: unpack 2-bit uniform codes with one PTX block per 4 bytes (compiled
@@ -61,6 +69,19 @@ class BlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     inline_asm: bool = True
+
+    @classmethod
+    def default(cls, head_dim: int, query_rows: int) -> "BlockSizes":
+        """Per-shape defaults. query_rows: tpb * g * C expanded rows of one KV head.
+
+        Decode (<= 16 rows) reads 128 packed rows (512 tokens) per step at D = 128 and
+        64 at D = 64 and 256 (each the faster of 64/128 on the H200, same-run A/B,
+        docs/gpu_kernels.md); extend takes 32-row query blocks and 32 packed rows, which
+        keeps Triton's shared memory under the limit.
+        """
+        if query_rows <= 16:
+            return cls(block_rows=128 if head_dim == 128 else 64, block_q=16)
+        return cls(block_rows=32, block_q=32)
 
     def __post_init__(self):
         for name in ("block_rows", "block_dense", "block_q"):
@@ -145,20 +166,15 @@ def _dot(a, b, contract_b: int, exact_f32: bool):
 
 
 def _online_update(state, scores, values_fn):
-    """One online-softmax step. scores: list of f32 [BM, N] (masked with -inf);
-    values_fn(p_list) -> list (per group) of f32 [BM, G] to add to the accumulators."""
+    """One online-softmax step. scores: f32 [BM, N] (masked with -inf); values_fn(p)
+    -> list (per group) of f32 [BM, G] to add to the accumulators."""
     m, l, acc = state
-    m_new = m
-    for s in scores:
-        m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m - m_use)
-    ps = [jnp.exp(s - m_use[:, None]) for s in scores]
-    l = l * alpha
-    for p in ps:
-        l = l + jnp.sum(p, axis=1)
-    add = values_fn(ps)
-    acc = tuple(a * alpha[:, None] + x for a, x in zip(acc, add))
+    p = jnp.exp(scores - m_use[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = tuple(a * alpha[:, None] + x for a, x in zip(acc, values_fn(p)))
     return m_new, l, acc
 
 
@@ -171,8 +187,9 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
     gs = d // num_groups
     tpb = 8 // bits
     n = lengths_ref[b]
-    rows = mb * bm + jnp.arange(bm)
-    q_pos = n - c + rows // g  # [BM] position of each query row
+    rows = mb * bm + jnp.arange(bm)  # expanded row e = slice * (g * C) + query row
+    row_slice = jnp.minimum(rows // (g * c), tpb - 1)
+    q_pos = n - c + (rows % (g * c)) // g  # [BM] position of each row's query
 
     def init():
         return (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32),
@@ -198,6 +215,7 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
         qg_bf = [x.astype(jnp.bfloat16) for x in qg]
         q_sum = [jnp.sum(x, axis=1) for x in qg]
         q_bf_sum = [jnp.sum(x.astype(jnp.float32), axis=1) for x in qg_bf]
+        slice_of = jnp.broadcast_to(row_slice[:, None], (bm, br))
 
         def load_codes(i):
             """Packed K and V code tiles (uint8 [BR, G] per group) of step i."""
@@ -210,39 +228,37 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
             packed_k, packed_v = load_codes(i)
             r0 = r_begin + i * br
             row_ids = r0 + jnp.arange(br)
-            row_ok = row_ids < r_end
+            cols = jnp.broadcast_to(row_ids[None, :], (bm, br))
+            tile_ok = cols < r_end
 
-            def meta(ref, gi, s):
-                return plgpu.load(ref.at[b, h, jnp.int32(gi), jnp.int32(s), pl.ds(r0, br)], mask=row_ok,
-                                  other=0).astype(jnp.float32)
+            def meta(ref, gi):
+                """f32 [BM, BR]: the metadata of token tpb * r + (the row's slice)."""
+                tile = plgpu.load(ref.at[b, h, jnp.int32(gi), slice_of, cols], mask=tile_ok, other=0)
+                return tile.astype(jnp.float32)
 
             def codes(packed, gi):
                 return _slices(packed[gi], bits, levels, mult, blocks.inline_asm and not interpret)
 
-            scores = [None] * tpb
+            scores = None
             for gi in range(num_groups):
                 ck = codes(packed_k, gi)
-                for s in range(tpb):
-                    kv = ck[s]
-                    raw = _dot(qg_bf[gi], kv, 1, interpret) - offset * q_bf_sum[gi][:, None]
-                    part = (meta(scale_k_ref, gi, s) * (1.0 / mult))[None, :] * raw \
-                        + meta(lo_k_ref, gi, s)[None, :] * q_sum[gi][:, None]
-                    scores[s] = part if scores[s] is None else scores[s] + part
-            for s in range(tpb):
-                ok = (row_ids * tpb + s < n_hist)[None, :]
-                scores[s] = jnp.where(ok, scores[s], -jnp.inf)
+                qk = None
+                for s in range(tpb):  # each row keeps the product with its own slice's codes
+                    d_s = _dot(qg_bf[gi], ck[s], 1, interpret)
+                    qk = d_s if qk is None else jnp.where(slice_of == s, d_s, qk)
+                raw = qk - offset * q_bf_sum[gi][:, None]
+                part = meta(scale_k_ref, gi) * (1.0 / mult) * raw + meta(lo_k_ref, gi) * q_sum[gi][:, None]
+                scores = part if scores is None else scores + part
+            scores = jnp.where(cols * tpb + slice_of < n_hist, scores, -jnp.inf)
 
-            def values(ps):
+            def values(p):
                 out = []
                 for gi in range(num_groups):
                     cv = codes(packed_v, gi)
-                    acc = None
-                    for s, p in enumerate(ps):
-                        pv = (p * (meta(scale_v_ref, gi, s) * (1.0 / mult))[None, :]).astype(jnp.bfloat16)
-                        corr = jnp.sum(p * meta(lo_v_ref, gi, s)[None, :]
-                                       - offset * pv.astype(jnp.float32), axis=1)
-                        term = _dot(pv, cv[s], 0, interpret) + corr[:, None]
-                        acc = term if acc is None else acc + term
+                    pv = (p * meta(scale_v_ref, gi) * (1.0 / mult)).astype(jnp.bfloat16)
+                    acc = jnp.sum(p * meta(lo_v_ref, gi) - offset * pv.astype(jnp.float32), axis=1)[:, None]
+                    for s in range(tpb):
+                        acc = acc + _dot(jnp.where(slice_of == s, pv, 0), cv[s], 0, interpret)
                     out.append(acc)
                 return out
 
@@ -262,16 +278,16 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
                 k = plgpu.load(k_ref.at[b, h, pl.ds(i * bd, bd), :], mask=row_ok[:, None], other=0)
                 pos = positions(j)
                 vis = row_ok & (pos >= 0) & (pos < n)
-                vis = vis[None, :] & (pos[None, :] <= q_pos[:, None])
+                vis = vis[None, :] & (pos[None, :] <= q_pos[:, None]) & (j[None, :] % tpb == row_slice[:, None])
                 s = jnp.where(vis, _dot(q_bf, k, 1, interpret), -jnp.inf)
 
-                def values(ps):
-                    p = ps[0].astype(jnp.bfloat16)
+                def values(p):
+                    p = p.astype(jnp.bfloat16)
                     return [_dot(p, plgpu.load(v_ref.at[b, h, pl.ds(i * bd, bd), pl.ds(gi * gs, gs)],
                                                mask=row_ok[:, None], other=0), 0, interpret)
                             for gi in range(num_groups)]
 
-                return _online_update(state, [s], values)
+                return _online_update(state, s, values)
 
             return lax.fori_loop(0, (count + bd - 1) // bd, step, state)
 
@@ -315,7 +331,6 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     held, the C queries being the newest. Returns (o_rot f32 [B, C, Hq, D] in the R_V
     basis, lse f32 [B, C, Hq]).
     """
-    blocks = block_sizes or BlockSizes()
     b, c, hq, d = q_rot.shape
     hkv = sink_k.shape[1]
     tpb = 8 // bits
@@ -338,7 +353,9 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         raise ValueError(f"group size D/G={d}/{num_groups}: the kernel needs groups of >= 16 channels")
     g = hq // hkv
     m = g * c
-    mp = max(16, 1 << (m - 1).bit_length())
+    me = tpb * m  # expanded rows: one per (token slice, query row)
+    blocks = block_sizes or BlockSizes.default(d, me)
+    mp = max(16, 1 << (me - 1).bit_length())
     bm = min(mp, blocks.block_q)
     mp = -(-mp // bm) * bm
     n_mblocks = mp // bm
@@ -347,10 +364,11 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     split_rows = -(-split_rows // blocks.block_rows) * blocks.block_rows
     num_hist_splits = -(-hist_rows // split_rows) if hist_rows else 0
 
-    # Query rows of KV head h: row c * g + i is query c of head h * g + i.
+    # Query rows of KV head h: row c * g + i is query c of head h * g + i; expanded row
+    # s * m + row attends to the tokens of slice s (positions = s mod tpb).
     q = (q_rot.astype(jnp.float32) * softmax_scale).reshape(b, c, hkv, g, d)
     q = jnp.moveaxis(q, 1, 2).reshape(b, hkv, m, d)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, mp - m), (0, 0)))
+    q = jnp.pad(jnp.concatenate([q] * tpb, axis=2), ((0, 0), (0, 0), (0, mp - me), (0, 0)))
 
     kernel = functools.partial(
         _kernel, g=g, c=c, sink=sink, window=window, bits=bits, levels=tuple(levels),
@@ -376,7 +394,9 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         interpret=interpret,
         name="oscar_mixed_attention",
     )(*arrays)
-    o, lse = merge_splits(o_part[..., :m, :], lse_part[..., :m])
+    # Each (split, slice) pair is one partial softmax of query row `row`: merge them all.
+    o, lse = merge_splits(o_part[..., :me, :].reshape(b, hkv, splits * tpb, m, d),
+                          lse_part[..., :me].reshape(b, hkv, splits * tpb, m))
     o = jnp.moveaxis(o.reshape(b, hkv, c, g, d), 2, 1).reshape(b, c, hq, d)
     lse = jnp.moveaxis(lse.reshape(b, hkv, c, g), 2, 1).reshape(b, c, hq)
     return o, lse
