@@ -146,8 +146,9 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
     fn = attention.kernel_attend(functools.partial(mixed_attention.mixed_attention, block_sizes=blocks))
     oscar_copies = [(q, cache) for cache in [cache] + [jax.tree.map(jnp.copy, cache)
                                                        for _ in range(n_copies(oscar_nbytes) - 1)]]
+    used = blocks or mixed_attention.BlockSizes.default(shape.head_dim, 4 * (shape.q_heads // shape.kv_heads))
     row = {"shape": dataclasses.asdict(shape), "bits_per_element": bits_per_element(cache.spec, shape.seq),
-           "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes}
+           "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes, "block_sizes": dataclasses.asdict(used)}
     t = time_group(unrolled(lambda qq, c: fn(qq, c, params)), oscar_copies, reps)
     row["oscar_ms"] = t * 1e3
     row["oscar_GBps"] = oscar_nbytes / t / 1e9
@@ -285,7 +286,7 @@ def main(argv=None):
     except ImportError:
         pass
     result["tuning"] = tuning
-    result["block_sizes"] = dataclasses.asdict(blocks or mixed_attention.BlockSizes())
+    result["block_sizes"] = dataclasses.asdict(blocks) if blocks else "per shape: BlockSizes.default"
     result["ceiling"] = read_ceiling(args.reps)
     result["write"] = bench_write(args.reps)
     result["attention"] = []
