@@ -153,6 +153,8 @@ def calibrate(
     group_size: int | None = typer.Option(None, help="quantiser group size G (default: head dim)"),
     sink: int = typer.Option(64, min=0, help="bf16 sink tokens the artifact is served with"),
     window: int = typer.Option(256, min=1, help="bf16 recent-window tokens the artifact is served with"),
+    center_keys: bool = typer.Option(False, help="remove the calibration keys' mean before quantising "
+                                                 "(softmax-exact; not in the published recipe)"),
     sample_tokens: int = typer.Option(4096, min=1, help="bounded sample for the published value weights"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside logit error to print"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
@@ -186,7 +188,7 @@ def calibrate(
     t0 = time.perf_counter()
     grid = tuple(np.round(np.arange(clip_min, 1.0 + 1e-9, 0.01), 2))
     result = cal.calibrate(run.stats, run.heldout, rotation_k=rotation_k, rotation_v=rotation_v,
-                           quant_cfg=quant_cfg, clips=clips, grid=grid)
+                           quant_cfg=quant_cfg, clips=clips, grid=grid, center_keys=center_keys)
     fit_s = time.perf_counter() - t0
     meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
                          corpus_hash=artifact.fingerprint(ids), layers=run.layers,

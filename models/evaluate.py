@@ -298,6 +298,7 @@ def eval_command(
             md = artifact.read_metadata(rotations)
             source["calibration"] = (f"artifact {rotations}: {md.tokens} tokens (corpus hash {md.corpus_hash[:12]}, "
                                      f"{md.rotation_k}/{md.rotation_v}, G={md.group_size}, sink {md.sink}, "
+                                     f"{'centered keys, ' if md.center_keys else ''}"
                                      f"window {md.window}) of "
                                      + source["calibration"])
         else:

@@ -1,7 +1,8 @@
 """The calibration artifact: one versioned orbax checkpoint directory (DESIGN §1.1 step 6).
 
 Layout: `arrays/` (orbax StandardSave of rot_k, rot_v, dual_k, dual_v [L, Hkv, D, D],
-eigenvalues_k, eigenvalues_v [L, Hkv, D], clip_k, clip_v [L], all float32) and
+eigenvalues_k, eigenvalues_v [L, Hkv, D], clip_k, clip_v [L], with center_keys also
+k_shift [L, Hkv, D], all float32) and
 `metadata/` (orbax JsonSave of `ArtifactMetadata`, including a SHA-256 of the
 arrays). `load` checks format version, model name, config hash and head dim
 against the caller's model, and the checksum against the arrays, and refuses
@@ -52,7 +53,8 @@ class ArtifactMetadata:
     rotation_k/v, value_weighting, clip_mode: variant names; corpus_hash, tokens:
     the calibration text; checksum: SHA-256 of the arrays; created: ISO-8601 UTC;
     sink, window: the bf16 segments of the cache the artifact is served with
-    (artifacts written before these fields existed read as 64 / 256).
+    (artifacts written before these fields existed read as 64 / 256); center_keys:
+    the arrays include k_shift [L, Hkv, D], the key mean removed before quantising.
     """
 
     format_version: int
@@ -73,6 +75,7 @@ class ArtifactMetadata:
     created: str
     sink: int = 64
     window: int = 256
+    center_keys: bool = False
 
     @property
     def group_size(self) -> int:
@@ -81,14 +84,19 @@ class ArtifactMetadata:
 
 def _arrays(calibration: Calibration) -> dict[str, np.ndarray]:
     c = calibration
+    values = (c.rot_k.rot, c.rot_v.rot, c.rot_k.dual, c.rot_v.dual, c.rot_k.eigenvalues,
+              c.rot_v.eigenvalues, c.clip_k, c.clip_v) + (() if c.k_shift is None else (c.k_shift,))
     return {name: np.ascontiguousarray(np.asarray(a, np.float32)) for name, a in zip(
-        _ARRAY_NAMES, (c.rot_k.rot, c.rot_v.rot, c.rot_k.dual, c.rot_v.dual,
-                       c.rot_k.eigenvalues, c.rot_v.eigenvalues, c.clip_k, c.clip_v))}
+        _array_names(c.k_shift is not None), values)}
+
+
+def _array_names(center_keys: bool) -> tuple[str, ...]:
+    return _ARRAY_NAMES + (("k_shift",) if center_keys else ())
 
 
 def _checksum(arrays: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
-    for name in _ARRAY_NAMES:
+    for name in _array_names("k_shift" in arrays):
         a = np.ascontiguousarray(np.asarray(arrays[name], np.float32))
         h.update(f"{name}{a.shape}".encode())
         h.update(a.tobytes())
@@ -114,7 +122,7 @@ def save(path: str | Path, calibration: Calibration, *, model_name: str, config_
         quant=dataclasses.asdict(calibration.quant), rotation_k=calibration.rot_k.spec.name,
         rotation_v=calibration.rot_v.spec.name, value_weighting=calibration.value_weighting,
         clip_mode=calibration.clip_mode, corpus_hash=corpus_hash, tokens=calibration.tokens,
-        checksum=_checksum(arrays), sink=sink, window=window,
+        checksum=_checksum(arrays), sink=sink, window=window, center_keys=calibration.k_shift is not None,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
         ckpt.save(path, ocp.args.Composite(
@@ -163,7 +171,7 @@ def load(path: str | Path, *, model_name: str | None, config_hash: str, head_dim
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
             arrays = ckpt.restore(path, ocp.args.Composite(arrays=ocp.args.StandardRestore()))["arrays"]
-        arrays = {name: np.asarray(arrays[name], np.float32) for name in _ARRAY_NAMES}
+        arrays = {name: np.asarray(arrays[name], np.float32) for name in _array_names(meta.center_keys)}
     except Exception as e:
         raise ValueError(f"calibration artifact {str(path)!r} is truncated or corrupted: its "
                          f"arrays cannot be read ({type(e).__name__}: {e})") from e
@@ -176,6 +184,7 @@ def load(path: str | Path, *, model_name: str | None, config_hash: str, head_dim
         num_layers=meta.num_layers, kv_heads=meta.kv_heads, v_folded=v_folded,
         dual_k=None if orthogonal(arrays["rot_k"], arrays["dual_k"]) else arrays["dual_k"],
         dual_v=None if orthogonal(arrays["rot_v"], arrays["dual_v"]) else arrays["dual_v"],
+        k_shift=arrays.get("k_shift"),
     ), meta
 
 

@@ -85,18 +85,18 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendF
         g = q.shape[2] // spec.kv_heads
         rot_k = jnp.repeat(params.query_rot, g, axis=0)  # [Hq, D, D]
         q_rot = jnp.einsum("bchd,hde->bche", q.astype(jnp.float32), rot_k, precision=hi)
+        scale = spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale
         o_rot, lse = kernel(
             q_rot, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
             cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
             cache.recent_k, cache.recent_v, cache.lengths,
             sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,
-            softmax_scale=spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale,
-            interpret=jax.default_backend() == "cpu",
+            softmax_scale=scale, interpret=jax.default_backend() == "cpu",
         )
         if not params.v_folded:
             rot_v = jnp.repeat(params.output_rot, g, axis=0)
             o_rot = jnp.einsum("bche,hde->bchd", o_rot, rot_v, precision=hi)
-        return o_rot.astype(q.dtype), lse
+        return o_rot.astype(q.dtype), reference.shift_lse(lse, q, params, scale)
 
     return fn
 

@@ -54,6 +54,7 @@ class LayerParams:
     v_folded: bool = _static()
     dual_k: jax.Array | None = None
     dual_v: jax.Array | None = None
+    k_shift: jax.Array | None = None
 
     @property
     def query_rot(self) -> jax.Array:
@@ -67,9 +68,10 @@ class LayerParams:
 
     @classmethod
     def create(cls, rot_k, rot_v, clip_k, clip_v, *, num_layers: int, kv_heads: int,
-               v_folded: bool = False, dual_k=None, dual_v=None) -> "LayerParams":
+               v_folded: bool = False, dual_k=None, dual_v=None, k_shift=None) -> "LayerParams":
         """Broadcast rotations ([D, D], [Hkv, D, D] or [L, Hkv, D, D]), their optional
-        duals (same shapes) and clips to a stack."""
+        duals (same shapes), clips and the optional key shift ([D], [Hkv, D] or
+        [L, Hkv, D]) to a stack."""
 
         def rot(r, name):
             r = jnp.asarray(r, jnp.float32)
@@ -84,10 +86,18 @@ class LayerParams:
                 raise ValueError(f"{name}={c}: expected clip ratios in (0, 1]")
             return jnp.broadcast_to(c, (num_layers,))
 
+        def shift(m):
+            m = jnp.asarray(m, jnp.float32)
+            d = jnp.shape(rot_k)[-1]
+            if m.ndim < 1 or m.ndim > 3 or m.shape[-1] != d:
+                raise ValueError(f"k_shift.shape={m.shape}: expected [D={d}], [Hkv, D] or [L, Hkv, D]")
+            return jnp.broadcast_to(m, (num_layers, kv_heads, d))
+
         return cls(rot(rot_k, "rot_k"), rot(rot_v, "rot_v"), clip(clip_k, "clip_k"),
                    clip(clip_v, "clip_v"), v_folded,
                    None if dual_k is None else rot(dual_k, "dual_k"),
-                   None if dual_v is None else rot(dual_v, "dual_v"))
+                   None if dual_v is None else rot(dual_v, "dual_v"),
+                   None if k_shift is None else shift(k_shift))
 
     def layer(self, i: int) -> "LayerParams":
         return jax.tree.map(lambda x: x[i], self)
@@ -215,6 +225,13 @@ def _rotate(x: jax.Array, rot: jax.Array) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def shifted_keys(k: jax.Array, params: LayerParams) -> jax.Array:
+    """k [B, T, Hkv, D] as the cache stores it: minus `params.k_shift` when set."""
+    if params.k_shift is None:
+        return k
+    return k.astype(jnp.float32) - params.k_shift.astype(jnp.float32)
+
+
 def _check_kv(name: str, x: jax.Array, b: int, h: int, d: int) -> None:
     if x.ndim != 4 or x.shape[0] != b or x.shape[2] != h or x.shape[3] != d:
         raise ValueError(f"{name}.shape={x.shape}: expected [B={b}, T, Hkv={h}, D={d}]")
@@ -283,6 +300,7 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
     if c > spec.window:
         raise ValueError(f"chunk C={c} must be <= window W={spec.window}")
+    k = shifted_keys(k, params)
     s0, w, bits = spec.sink, spec.window, spec.quant.bits
     n = cache.lengths
     ok = _check_append(spec.max_len, n, c)
@@ -390,6 +408,7 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
     _check_kv("v", v, b, h, d)
     if v.shape != k.shape:
         raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
+    k = shifted_keys(k, params)
     t = k.shape[1]
     n = jnp.asarray(prompt_lengths, jnp.int32)
     if n.shape != (b,):

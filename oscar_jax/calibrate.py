@@ -72,7 +72,7 @@ class Accumulator:
     """Running sums over the calibration tokens (host float64 unless noted).
 
     qq: [L, Hkv, D, D] Σ over tokens of the mean over the group's g query heads of q qᵀ;
-    kk: [L, Hkv, D, D] Σ k kᵀ; wvv: [L, Hkv, D, D] Σ w v vᵀ and w: [L, Hkv] Σ w
+    kk: [L, Hkv, D, D] Σ k kᵀ; k_sum: [L, Hkv, D] Σ k; wvv: [L, Hkv, D, D] Σ w v vᵀ and w: [L, Hkv] Σ w
     (attention-mass weighting only); tokens: tokens seen (B·T summed);
     sample_k, sample_v: float32 [L, N, Hkv, D] a uniform sample of N <= sample_tokens
     tokens (bottom-N of seeded random priorities [N]), kept for the published weighting only.
@@ -80,6 +80,7 @@ class Accumulator:
 
     qq: np.ndarray
     kk: np.ndarray
+    k_sum: np.ndarray
     wvv: np.ndarray
     w: np.ndarray
     tokens: int
@@ -93,8 +94,8 @@ class Accumulator:
              config: CalibConfig = CalibConfig()) -> "Accumulator":
         cov = lambda: np.zeros((num_layers, kv_heads, head_dim, head_dim), np.float64)
         empty = lambda: np.zeros((num_layers, 0, kv_heads, head_dim), np.float32)
-        return cls(cov(), cov(), cov(), np.zeros((num_layers, kv_heads)), 0,
-                   empty(), empty(), np.zeros((0,)), config)
+        return cls(cov(), cov(), np.zeros((num_layers, kv_heads, head_dim)), cov(),
+                   np.zeros((num_layers, kv_heads)), 0, empty(), empty(), np.zeros((0,)), config)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -162,16 +163,17 @@ def accumulate(acc: Accumulator, q: jax.Array, k: jax.Array, v: jax.Array) -> Ac
     qq, kk, wvv, w = _chunk_sums(q, k, v, attention_weighted, cfg.softmax_scale)
     f64 = lambda x: np.asarray(x, np.float64)
     n_new = k.shape[1] * k.shape[2]
+    k_sum = acc.k_sum + f64(jnp.sum(k.astype(jnp.float32), axis=(1, 2)))
     rows = lambda x: np.asarray(x, np.float32).reshape(x.shape[0], n_new, *x.shape[3:])
     if attention_weighted:  # one pass: no sample needed
-        return dataclasses.replace(acc, qq=acc.qq + f64(qq), kk=acc.kk + f64(kk),
+        return dataclasses.replace(acc, qq=acc.qq + f64(qq), kk=acc.kk + f64(kk), k_sum=k_sum,
                                    wvv=acc.wvv + f64(wvv), w=acc.w + f64(w), tokens=acc.tokens + n_new)
     priority = np.concatenate([acc.sample_priority,
                                np.random.default_rng((cfg.seed, acc.tokens)).random(n_new)])
     keep = np.sort(np.argsort(priority, kind="stable")[:cfg.sample_tokens])
     sample = lambda old, new: np.concatenate([old, rows(new)], axis=1)[:, keep]
     return dataclasses.replace(
-        acc, qq=acc.qq + f64(qq), kk=acc.kk + f64(kk), tokens=acc.tokens + n_new,
+        acc, qq=acc.qq + f64(qq), kk=acc.kk + f64(kk), k_sum=k_sum, tokens=acc.tokens + n_new,
         sample_k=sample(acc.sample_k, k), sample_v=sample(acc.sample_v, v),
         sample_priority=priority[keep])
 
@@ -181,15 +183,22 @@ class Statistics:
     """Finalised calibration statistics (float64).
 
     query_cov: C_h [L, Hkv, D, D] = mean over tokens and the group's g heads of q qᵀ;
-    key_cov: [L, Hkv, D, D] = mean k kᵀ; value_cov: [L, Hkv, D, D] = Σ_t w_h[t] v vᵀ / Σ_t w_h[t]
+    key_cov: [L, Hkv, D, D] = mean k kᵀ; key_mean: [L, Hkv, D] = mean k; value_cov: [L, Hkv, D, D] = Σ_t w_h[t] v vᵀ / Σ_t w_h[t]
     (weights normalised to average 1); tokens: calibration tokens; value_weighting: its name.
     """
 
     query_cov: np.ndarray
     key_cov: np.ndarray
+    key_mean: np.ndarray
     value_cov: np.ndarray
     tokens: int
     value_weighting: ValueWeighting
+
+    def centered_keys(self) -> "Statistics":
+        """The statistics of k - key_mean (key_cov becomes the covariance about the mean)."""
+        mu = self.key_mean
+        return dataclasses.replace(self, key_cov=self.key_cov - np.einsum("lhd,lhe->lhde", mu, mu),
+                                   key_mean=np.zeros_like(mu))
 
 
 def published_weights(k: np.ndarray, query_cov: np.ndarray) -> np.ndarray:
@@ -209,7 +218,7 @@ def statistics(acc: Accumulator) -> Statistics:
         w = published_weights(acc.sample_k, query_cov)
         v = np.asarray(acc.sample_v, np.float64)
         value_cov = np.einsum("lnh,lnhd,lnhe->lhde", w, v, v) / w.sum(axis=1)[..., None, None]
-    return Statistics(query_cov, acc.kk / acc.tokens, value_cov, acc.tokens,
+    return Statistics(query_cov, acc.kk / acc.tokens, acc.k_sum / acc.tokens, value_cov, acc.tokens,
                       acc.config.value_weighting)
 
 
@@ -501,7 +510,8 @@ ClipMode = Literal["fit", "fixed"]
 class Calibration:
     """One model's calibration: key/value rotations, per-layer clips [L] and the
     names that made them (value weighting, clip mode), tokens: calibration tokens;
-    quant: the quantiser the clips were fitted for; fit: the clip curves (None when fixed)."""
+    quant: the quantiser the clips were fitted for; fit: the clip curves (None when fixed);
+    k_shift: None, or the key mean [L, Hkv, D] removed before quantising (`LayerParams.k_shift`)."""
 
     rot_k: Rotation
     rot_v: Rotation
@@ -512,6 +522,7 @@ class Calibration:
     tokens: int
     quant: QuantConfig
     fit: ClipFit | None = None
+    k_shift: np.ndarray | None = None
 
     def layer_params(self, v_folded: bool = False) -> LayerParams:
         """The stacked serving parameters [L, Hkv, D, D] (duals only for non-orthogonal variants)."""
@@ -519,15 +530,25 @@ class Calibration:
         dual = lambda r: None if r.spec.orthogonal else r.dual
         return LayerParams.create(self.rot_k.rot, self.rot_v.rot, self.clip_k, self.clip_v,
                                   num_layers=num_layers, kv_heads=kv_heads, v_folded=v_folded,
-                                  dual_k=dual(self.rot_k), dual_v=dual(self.rot_v))
+                                  dual_k=dual(self.rot_k), dual_v=dual(self.rot_v), k_shift=self.k_shift)
 
 
 def calibrate(stats: Statistics, heldout: tuple[jax.Array, jax.Array, jax.Array] | None, *,
               rotation_k: RotationSpec | str = "uhp", rotation_v: RotationSpec | str = "uhp",
               quant_cfg: QuantConfig = QuantConfig(), clips: ClipMode = "fit",
-              grid=CLIP_GRID, softmax_scale: float | None = None) -> Calibration:
+              grid=CLIP_GRID, softmax_scale: float | None = None, center_keys: bool = False
+              ) -> Calibration:
     """Statistics (+ held-aside (q, k, v) batches [L, B, T, H, D] when clips="fit") ->
-    Calibration. clips="fixed" uses the reference's 0.96 (K) / 0.92 (V) everywhere."""
+    Calibration. clips="fixed" uses the reference's 0.96 (K) / 0.92 (V) everywhere.
+    center_keys: remove the calibration keys' mean before quantising (softmax-exact,
+    see `LayerParams.k_shift`); the key rotation and clip then see centered keys."""
+    k_shift = None
+    if center_keys:
+        k_shift = stats.key_mean.astype(np.float32)
+        stats = stats.centered_keys()
+        if heldout is not None:
+            q_h, k_h, v_h = heldout
+            heldout = (q_h, jnp.asarray(k_h, jnp.float32) - k_shift[:, None, None], v_h)
     rot_k = rotation_for(stats, "k", rotation_k, quant_cfg.group_size)
     rot_v = rotation_for(stats, "v", rotation_v, quant_cfg.group_size)
     num_layers = stats.query_cov.shape[0]
@@ -542,7 +563,7 @@ def calibrate(stats: Statistics, heldout: tuple[jax.Array, jax.Array, jax.Array]
     else:
         raise ValueError(f"clips={clips!r}: expected 'fit' or 'fixed'")
     return Calibration(rot_k, rot_v, clip_k, clip_v, clips, stats.value_weighting,
-                       stats.tokens, quant_cfg, fit)
+                       stats.tokens, quant_cfg, fit, k_shift)
 
 
 def fold_output_projection(w_o: jax.Array, output_rot: jax.Array) -> jax.Array:

@@ -61,6 +61,15 @@ def query_positions(lengths: jax.Array, c: int) -> jax.Array:
     return lengths[:, None] - c + jnp.arange(c)[None, :]
 
 
+def shift_lse(lse: jax.Array, q: jax.Array, params: LayerParams, scale: float) -> jax.Array:
+    """The log-sum-exp over the true keys from one over keys stored minus params.k_shift:
+    lse f32 [B, C, Hq] + scale · q·k_shift (q [B, C, Hq, D], model basis)."""
+    if params.k_shift is None:
+        return lse
+    shift = jnp.repeat(params.k_shift.astype(jnp.float32), q.shape[2] // params.k_shift.shape[0], axis=0)
+    return lse + scale * jnp.einsum("bchd,hd->bch", q.astype(jnp.float32), shift, precision=_HI)
+
+
 def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
            softmax_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
     """q: [B, C, Hq, D] post-RoPE, unrotated -> (o [B, C, Hq, D] in q.dtype, lse f32 [B, C, Hq]).
@@ -91,7 +100,8 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     o, lse = merge_partials(list(outs), list(lses))
     if not params.v_folded:
         o = jnp.einsum("bhgce,hde->bhgcd", o, params.output_rot, precision=_HI)
-    return _merge_heads(o).astype(q.dtype), jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])
+    lse = jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])
+    return _merge_heads(o).astype(q.dtype), shift_lse(lse, q, params, scale)
 
 
 def attend_window(q: jax.Array, cache: RingCache,

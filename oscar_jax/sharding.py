@@ -29,7 +29,7 @@ _LOGICAL = {
     LayerParams: {"rot_k": ("kv_heads", "head_dim", "head_dim"),
                   "rot_v": ("kv_heads", "head_dim", "head_dim"), "clip_k": (), "clip_v": (),
                   "dual_k": ("kv_heads", "head_dim", "head_dim"),
-                  "dual_v": ("kv_heads", "head_dim", "head_dim")},
+                  "dual_v": ("kv_heads", "head_dim", "head_dim"), "k_shift": ("kv_heads", "head_dim")},
 }
 
 

@@ -17,15 +17,18 @@ MODEL = dict(model_name="test-model", config_hash=artifact.fingerprint({"layers"
 
 @pytest.fixture(scope="module")
 def calibrations():
-    """Two calibrations of random activations: orthogonal (uhp) and error-shaped per head."""
+    """Calibrations of random activations: orthogonal (uhp), error-shaped per head, and
+    uhp with centered keys."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((L, 2, 24, h, D)).astype(np.float32) * np.geomspace(3, 0.3, D)
                for h in (HQ, HKV, HKV))
     st = cal.statistics(cal.accumulate(cal.Accumulator.init(L, HKV, D), q, k, v))
     cfg = QuantConfig(group_size=8)
-    return {name: cal.calibrate(st, (q, k, v), rotation_k=name, rotation_v=name, quant_cfg=cfg,
-                                grid=(0.8, 0.9, 1.0))
-            for name in ("uhp", "shaped/head")}
+    out = {name: cal.calibrate(st, (q, k, v), rotation_k=name, rotation_v=name, quant_cfg=cfg,
+                               grid=(0.8, 0.9, 1.0))
+           for name in ("uhp", "shaped/head")}
+    out["centered"] = cal.calibrate(st, (q, k, v), quant_cfg=cfg, grid=(0.8, 0.9, 1.0), center_keys=True)
+    return out
 
 
 def _save(tmp_path, calib, name="a"):
@@ -53,6 +56,15 @@ def test_round_trip(tmp_path, calibrations, name):
     assert meta.quant == {"bits": 2, "group_size": 8, "codebook": "uniform", "scale_dtype": "bfloat16"}
     assert artifact.load(path, head_dim=D, v_folded=True, **MODEL)[0].v_folded
     assert (meta.sink, meta.window) == (64, 256)
+
+
+def test_centered_keys_round_trip(tmp_path, calibrations):
+    calib = calibrations["centered"]
+    path, meta = _save(tmp_path, calib)
+    params, loaded = artifact.load(path, head_dim=D, **MODEL)
+    assert meta.center_keys and loaded == meta
+    np.testing.assert_array_equal(np.asarray(params.k_shift), calib.k_shift)
+    assert artifact.load(_save(tmp_path, calibrations["uhp"], "b")[0], head_dim=D, **MODEL)[0].k_shift is None
 
 
 def test_served_sink_and_window(tmp_path, calibrations):

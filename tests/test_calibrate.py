@@ -73,6 +73,39 @@ def test_streaming_statistics_match_float64_oracle():
     k64 = np.asarray(k, np.float64).reshape(L, -1, HKV, D)
     np.testing.assert_allclose(st.key_cov, np.einsum("lnhd,lnhe->lhde", k64, k64) / k64.shape[1],
                                rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(st.key_mean, k64.mean(axis=1), rtol=1e-5, atol=1e-6)
+    centered = st.centered_keys()
+    np.testing.assert_allclose(centered.key_cov, np.einsum("lnhd,lnhe->lhde", k64 - k64.mean(1, keepdims=True),
+                                                           k64 - k64.mean(1, keepdims=True)) / k64.shape[1],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_centered_keys_cut_the_key_error_of_offset_keys():
+    """Keys with a large common offset: removing the calibration mean (exact for softmax)
+    must shrink the attention-aware key error, and the served params carry the mean."""
+    rng = np.random.default_rng(8)
+    q, k, v, *_ = planted(rng)
+    offset = (rng.standard_normal((HKV, D)) * 4).astype(np.float32)
+    hq, hk, hv, *_ = planted(rng, b=1, t=64)
+    st = cal.statistics(stream(q, k + offset, v))
+    cfg = QuantConfig(group_size=8)
+    plain = cal.calibrate(st, (hq, hk + offset, hv), quant_cfg=cfg, rotation_k="uhp", rotation_v="uhp")
+    centered = cal.calibrate(st, (hq, hk + offset, hv), quant_cfg=cfg, rotation_k="uhp", rotation_v="uhp",
+                             center_keys=True)
+    k64 = np.asarray(k + offset, np.float64).reshape(L, -1, HKV, D)
+    np.testing.assert_allclose(centered.k_shift, k64.mean(axis=1), rtol=1e-4, atol=1e-5)
+    assert plain.k_shift is None and plain.layer_params().k_shift is None
+    np.testing.assert_allclose(centered.layer_params().k_shift, centered.k_shift)
+    # softmax-relevant key error: per query, the variance over keys of q·(k̂ - k)
+    for layer in range(L):
+        kk = (hk[layer] + offset).reshape(-1, HKV, D)
+        qs = hq[layer].reshape(-1, HKV, HQ // HKV, D)
+        errs = []
+        for c, shift in ((plain, 0.0), (centered, centered.k_shift[layer])):
+            k_hat = numpy_reconstruct(kk - shift, c.rot_k.rot[layer], c.rot_k.dual[layer], cfg,
+                                      c.clip_k[layer]) + shift
+            errs.append(np.einsum("nhgd,mhd->nhgm", qs, k_hat - kk).var(axis=-1).mean())
+        assert errs[1] < 0.5 * errs[0], errs
 
 
 @pytest.mark.parametrize("weighting", cal.VALUE_WEIGHTINGS)

@@ -85,12 +85,13 @@ _reference = jax.jit(reference.attend)
 _attend = jax.jit(attention.attend, static_argnames=("implementation",))
 
 
-def _random_case(rng, spec: CacheSpec, g: int, c: int, lengths: np.ndarray):
+def _random_case(rng, spec: CacheSpec, g: int, c: int, lengths: np.ndarray, k_shift: bool = False):
     b, h, d = spec.batch, spec.kv_heads, spec.head_dim
     rot = np.linalg.qr(rng.standard_normal((h, d, d)))[0].astype(np.float32)
     rot_v = np.linalg.qr(rng.standard_normal((h, d, d)))[0].astype(np.float32)
+    shift = rng.standard_normal((h, d)).astype(np.float32) if k_shift else None
     params = cache_lib.LayerParams.create(rot, rot_v, rng.uniform(0.85, 1.0), rng.uniform(0.85, 1.0),
-                                          num_layers=1, kv_heads=h).layer(0)
+                                          num_layers=1, kv_heads=h, k_shift=shift).layer(0)
     t = spec.max_len
     k = jnp.asarray(random_kv(rng, b, t, h, d), jnp.bfloat16)
     v = jnp.asarray(random_kv(rng, b, t, h, d), jnp.bfloat16)
@@ -121,11 +122,12 @@ def test_attention_matches_reference(config, pattern):
 
 
 def test_attention_splits_and_query_blocks():
-    """Small blocks: many history splits, several steps per split, several query blocks."""
+    """Small blocks: many history splits, several steps per split, several query blocks;
+    keys stored minus a key shift (the lse is corrected outside the kernel)."""
     spec = _spec(64, 16, "uniform", "bfloat16", hist=200)
     rng = np.random.default_rng(7)
     g, c = 4, 7
-    q, cache, params = _random_case(rng, spec, g, c, np.array([20, 90, 180, 272], np.int32))
+    q, cache, params = _random_case(rng, spec, g, c, np.array([20, 90, 180, 272], np.int32), k_shift=True)
     blocks = mixed_attention.BlockSizes(block_rows=16, block_dense=16, block_q=16, num_splits=3)
     fn = attention.kernel_attend(functools.partial(mixed_attention.mixed_attention, block_sizes=blocks))
     o, lse = jax.jit(fn)(q, cache, params)

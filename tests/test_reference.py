@@ -31,31 +31,35 @@ def _dense_attention(q, keys, values, n, scale):
 @pytest.mark.parametrize("g", [1, 3])
 @pytest.mark.parametrize("quant_cfg", [QuantConfig(bits=2), QuantConfig(bits=2, group_size=8),
                                        QuantConfig(bits=2, codebook="lloyd_max")], ids=str)
-@pytest.mark.parametrize("v_folded", [False, True])
-def test_reference_matches_dense_masked_attention(seed, g, quant_cfg, v_folded):
+@pytest.mark.parametrize("v_folded,shift", [(False, False), (True, False), (False, True)])
+def test_reference_matches_dense_masked_attention(seed, g, quant_cfg, v_folded, shift):
+    """shift: the cache stores k - k_shift; attention must still equal dense attention
+    over the true keys (output and log-sum-exp)."""
     rng = np.random.default_rng(seed)
     b, h, d = 3, 2, 16
     spec = CacheSpec(num_layers=1, batch=b, kv_heads=h, head_dim=d, max_len=64, sink=4, window=8,
                      quant=quant_cfg)
     rk, rv = signed_permutation(rng, h, d), signed_permutation(rng, h, d)
-    params = oj.LayerParams.create(rk, rv, 0.95, 0.9, num_layers=1, kv_heads=h,
-                                   v_folded=v_folded).layer(0)
+    mu = (rng.standard_normal((h, d)) * 3).astype(np.float32) if shift else np.zeros((h, d), np.float32)
+    params = oj.LayerParams.create(rk, rv, 0.95, 0.9, num_layers=1, kv_heads=h, v_folded=v_folded,
+                                   k_shift=mu if shift else None).layer(0)
     ok, ov = SequenceOracle(spec, rk, 0.95), SequenceOracle(spec, rv, 0.9)
     t = 40
     lengths = np.array([rng.integers(1, 5), rng.integers(5, 13), rng.integers(20, t + 1)])
-    k, v = random_kv(rng, b, t, h, d), random_kv(rng, b, t, h, d)
+    k, v = random_kv(rng, b, t, h, d) + mu, random_kv(rng, b, t, h, d)
     cache = oj.write_prompt(oj.OscarCache.init(spec).layer(0), k, v, jnp.asarray(lengths), params)
-    ok.write_prompt(k, lengths), ov.write_prompt(v, lengths)
+    ok.write_prompt(k - mu, lengths), ov.write_prompt(v, lengths)
     c = int(rng.choice([1, 5, 8]))
-    k, v = random_kv(rng, b, c, h, d), random_kv(rng, b, c, h, d)
+    k, v = random_kv(rng, b, c, h, d) + mu, random_kv(rng, b, c, h, d)
     cache = oj.append(cache, k, v, params)
-    ok.append(k), ov.append(v)
+    ok.append(k - mu), ov.append(v)
 
     q = rng.standard_normal((b, c, h * g, d)).astype(np.float32)
     o, lse = jax.jit(reference.attend)(jnp.asarray(q), cache, params)
     scale = d ** -0.5
     for row in range(b):
-        keys, n = ok.expected(row)
+        keys, n = ok.expected(row)  # k - mu as stored (rotated); the true keys add mu back
+        keys = keys + np.einsum("hd,hde->he", mu, rk)[:, None, :]
         vals, _ = ov.expected(row)
         q_rot = np.einsum("chd,hde->che", q[row], np.repeat(rk, g, axis=0))
         want_o, want_lse = _dense_attention(q_rot, keys, vals, n, scale)
