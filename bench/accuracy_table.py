@@ -2,8 +2,9 @@
 
     python bench/accuracy_table.py bench/results/accuracy_smollm2_ctx8192.json [...]
 
-Rows of every eval file (ΔPPL against the bf16 row of the same file, else
---bf16-ppl); needle files give accuracy per scheme and length, averaged over depths.
+Rows of every eval file, or of every run in a validation file (ΔPPL against the
+bf16 row of the same run, else --bf16-ppl); needle files give accuracy per
+scheme and length, averaged over depths.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def main(paths: list[str]) -> None:
         if p.startswith("--bf16-ppl="):
             bf16 = float(p.split("=", 1)[1])
             continue
-        records = json.loads(Path(p).read_text())
-        meta = records["meta"]
-        print(f"\n{p}: {meta.get('device')}, jax {meta.get('jax')}\n`{meta.get('command')}`\n")
-        is_needle = "accuracy" in records["results"][0]
-        print(needle_table(records) if is_needle else eval_table(records, bf16))
+        data = json.loads(Path(p).read_text())
+        for records in data.get("runs", [data]):  # validation files hold several runs
+            meta = records["meta"]
+            print(f"\n{p}: {meta.get('device')}, jax {meta.get('jax')}\n`{meta.get('command')}`\n")
+            is_needle = "accuracy" in records["results"][0]
+            print(needle_table(records) if is_needle else eval_table(records, bf16))
 
 
 if __name__ == "__main__":
