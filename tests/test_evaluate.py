@@ -143,3 +143,33 @@ def test_eval_cli_writes_records(tiny, tmp_path, monkeypatch):
     assert 8 < records[1]["bpe"] < 8.01
     assert all({"kv", "ppl", "kl", "top1", "bpe"} <= set(r) for r in records)
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_calibrate_cli_serves_centered_keys_and_its_window(tiny, tmp_path, monkeypatch):
+    """calibrate --center-keys --sink --window -> artifact -> the policy eval serves."""
+    from typer.testing import CliRunner
+
+    import oscar_jax.models.calibration  # noqa: F401  (registers `oscar calibrate`)
+    from oscar_jax.models.cli import app, load_calibration
+
+    text = tmp_path / "text.txt"
+    rng = np.random.default_rng(4)
+    text.write_text(" ".join(str(x) for x in rng.integers(0, 10, 900)))
+    monkeypatch.setattr(registry, "load", lambda name, **kw: (tiny, _Bytes()))
+    art = tmp_path / "art"
+    result = CliRunner().invoke(app, ["calibrate", "--model", TINY, "--text", str(text), "--tokens", "512",
+                                      "--heldout-tokens", "256", "--seq-len", "128", "--center-keys",
+                                      "--sink", "8", "--window", "64", "--out", str(art)])
+    assert result.exit_code == 0, result.output
+    policy = load_calibration(art, tiny.cfg)
+    assert (policy.sink, policy.window) == (8, 64) and policy.layer_params.k_shift is not None
+    assert float(jnp.abs(policy.layer_params.k_shift).max()) > 0
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["eval", "--model", TINY, "--text", str(text), "--rotations", str(art),
+                                      "--kv", "bf16,oscar", "--tokens", "400", "--context", "400",
+                                      "--chunk", "50", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    assert "sink 8, centered keys, window 64" in records["meta"]["text"]["calibration"]
+    oscar = records["results"][1]
+    assert oscar["kv"] == "oscar" and np.isfinite(oscar["ppl"]) and oscar["kl"] > 0
