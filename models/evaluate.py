@@ -84,7 +84,8 @@ def scheme_policy(name: str, served: kv_policy.QuantPolicy | None = None, implem
         d = params.rot_k.shape[-1]
         rot = rotation.hadamard(d) if name == "oscar-hadamard" else rotation.identity(d)
         params = oc.LayerParams.create(rot, rot, params.clip_k, params.clip_v,
-                                       num_layers=params.rot_k.shape[0], kv_heads=params.rot_k.shape[1])
+                                       num_layers=params.rot_k.shape[0], kv_heads=params.rot_k.shape[1],
+                                       k_shift=params.k_shift)
     codebook = "lloyd_max" if name == "oscar-lloyd" else served.quant.codebook
     return dataclasses.replace(served, name=name, quant=dataclasses.replace(served.quant, codebook=codebook),
                                layer_params=params, implementation=implementation)

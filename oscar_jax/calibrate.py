@@ -72,8 +72,8 @@ class Accumulator:
     """Running sums over the calibration tokens (host float64 unless noted).
 
     qq: [L, Hkv, D, D] Σ over tokens of the mean over the group's g query heads of q qᵀ;
-    kk: [L, Hkv, D, D] Σ k kᵀ; k_sum: [L, Hkv, D] Σ k; wvv: [L, Hkv, D, D] Σ w v vᵀ and w: [L, Hkv] Σ w
-    (attention-mass weighting only); tokens: tokens seen (B·T summed);
+    kk: [L, Hkv, D, D] Σ k kᵀ; k_sum: [L, Hkv, D] Σ k; wvv: [L, Hkv, D, D] Σ w v vᵀ and
+    w: [L, Hkv] Σ w (attention-mass weighting only); tokens: tokens seen (B·T summed);
     sample_k, sample_v: float32 [L, N, Hkv, D] a uniform sample of N <= sample_tokens
     tokens (bottom-N of seeded random priorities [N]), kept for the published weighting only.
     """
@@ -183,8 +183,8 @@ class Statistics:
     """Finalised calibration statistics (float64).
 
     query_cov: C_h [L, Hkv, D, D] = mean over tokens and the group's g heads of q qᵀ;
-    key_cov: [L, Hkv, D, D] = mean k kᵀ; key_mean: [L, Hkv, D] = mean k; value_cov: [L, Hkv, D, D] = Σ_t w_h[t] v vᵀ / Σ_t w_h[t]
-    (weights normalised to average 1); tokens: calibration tokens; value_weighting: its name.
+    key_cov: [L, Hkv, D, D] = mean k kᵀ; key_mean: [L, Hkv, D] = mean k;
+    value_cov: [L, Hkv, D, D] = Σ_t w_h[t] v vᵀ / Σ_t w_h[t] (weights normalised to average 1); tokens: calibration tokens; value_weighting: its name.
     """
 
     query_cov: np.ndarray

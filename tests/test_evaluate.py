@@ -1,5 +1,6 @@
 """The evaluation harness: metrics against numpy, schemes end to end, the CLI's JSON."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -103,10 +104,12 @@ def test_every_scheme_runs_through_its_cache(tiny):
     hadamard = ev.scheme_policy("oscar-hadamard", kv_policy.oscar_policy(calibrated)).layer_params
     np.testing.assert_allclose(hadamard.rot_k[1, 0], rotation.hadamard(d))
     np.testing.assert_allclose(hadamard.clip_v, calibrated.clip_v)
-    served = kv_policy.oscar_policy(calibrated, quant=QuantConfig(group_size=16), sink=16, window=112)
+    shifted = dataclasses.replace(calibrated, k_shift=jnp.ones((2, h, d), jnp.float32))
+    served = kv_policy.oscar_policy(shifted, quant=QuantConfig(group_size=16), sink=16, window=112)
     for name in ("oscar", "oscar-lloyd", "oscar-fixedclip", "oscar-hadamard", "oscar-norot"):
-        p = ev.scheme_policy(name, served)  # the artifact's quantiser and bf16 segments are served
+        p = ev.scheme_policy(name, served)  # the artifact's quantiser, bf16 segments and key shift are served
         assert (p.name, p.sink, p.window, p.quant.group_size) == (name, 16, 112, 16)
+        np.testing.assert_array_equal(p.layer_params.k_shift, 1.0)
         assert p.quant.codebook == ("lloyd_max" if name == "oscar-lloyd" else "uniform")
 
 
@@ -124,15 +127,20 @@ class _Bytes:
         return list(text.encode())
 
 
+def _cli_text(tiny, tmp_path, monkeypatch, seed: int, words: int):
+    """A random digit text FILE, with `registry.load` returning the tiny model and byte tokens."""
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(str(x) for x in np.random.default_rng(seed).integers(0, 10, words)))
+    monkeypatch.setattr(registry, "load", lambda name, **kw: (tiny, _Bytes()))
+    return text
+
+
 def test_eval_cli_writes_records(tiny, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from oscar_jax.models.cli import app
 
-    text = tmp_path / "text.txt"
-    rng = np.random.default_rng(2)
-    text.write_text(" ".join(str(x) for x in rng.integers(0, 10, 600)))
-    monkeypatch.setattr(registry, "load", lambda name, **kw: (tiny, _Bytes()))
+    text = _cli_text(tiny, tmp_path, monkeypatch, 2, 600)
     out = tmp_path / "r.json"
     result = CliRunner().invoke(app, ["eval", "--model", TINY, "--text", str(text), "--kv", "bf16,fp8,quarot-int2",
                                       "--tokens", "400", "--context", "400", "--chunk", "50",
@@ -152,10 +160,7 @@ def test_calibrate_cli_serves_centered_keys_and_its_window(tiny, tmp_path, monke
     import oscar_jax.models.calibration  # noqa: F401  (registers `oscar calibrate`)
     from oscar_jax.models.cli import app, load_calibration
 
-    text = tmp_path / "text.txt"
-    rng = np.random.default_rng(4)
-    text.write_text(" ".join(str(x) for x in rng.integers(0, 10, 900)))
-    monkeypatch.setattr(registry, "load", lambda name, **kw: (tiny, _Bytes()))
+    text = _cli_text(tiny, tmp_path, monkeypatch, 4, 900)
     art = tmp_path / "art"
     result = CliRunner().invoke(app, ["calibrate", "--model", TINY, "--text", str(text), "--tokens", "512",
                                       "--heldout-tokens", "256", "--seq-len", "128", "--center-keys",
