@@ -74,13 +74,15 @@ class BlockSizes:
     def default(cls, head_dim: int, query_rows: int) -> "BlockSizes":
         """Per-shape defaults. query_rows: tpb * g * C expanded rows of one KV head.
 
-        Decode (<= 16 rows) reads 128 packed rows (512 tokens) per step at D = 128 and
-        64 at D = 64 and 256 (each the faster of 64/128 on the H200, same-run A/B,
-        docs/gpu_kernels.md); extend takes 32-row query blocks and 32 packed rows, which
-        keeps Triton's shared memory under the limit.
+        Decode (<= 16 rows) reads 128 packed rows (512 tokens) per step with a 3-stage
+        pipeline at D = 128, and 64 rows, 2 stages at D = 64 and 256 (the faster settings
+        in same-run A/Bs on the H200, docs/gpu_kernels.md); extend takes 32-row query
+        blocks and 32 packed rows, which keeps Triton's shared memory under the limit.
         """
         if query_rows <= 16:
-            return cls(block_rows=128 if head_dim == 128 else 64, block_q=16)
+            if head_dim == 128:
+                return cls(block_rows=128, block_q=16, num_stages=3)
+            return cls(block_rows=64, block_q=16)
         return cls(block_rows=32, block_q=32)
 
     def __post_init__(self):
@@ -216,6 +218,7 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
         q_sum = [jnp.sum(x, axis=1) for x in qg]
         q_bf_sum = [jnp.sum(x.astype(jnp.float32), axis=1) for x in qg_bf]
         slice_of = jnp.broadcast_to(row_slice[:, None], (bm, br))
+        out_slice = jnp.broadcast_to(row_slice[:, None], (bm, gs))
 
         def load_codes(i):
             """Packed K and V code tiles (uint8 [BR, G] per group) of step i."""
@@ -228,13 +231,18 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
             packed_k, packed_v = load_codes(i)
             r0 = r_begin + i * br
             row_ids = r0 + jnp.arange(br)
+            row_ok = row_ids < r_end
             cols = jnp.broadcast_to(row_ids[None, :], (bm, br))
-            tile_ok = cols < r_end
 
             def meta(ref, gi):
-                """f32 [BM, BR]: the metadata of token tpb * r + (the row's slice)."""
-                tile = plgpu.load(ref.at[b, h, jnp.int32(gi), slice_of, cols], mask=tile_ok, other=0)
-                return tile.astype(jnp.float32)
+                """f32 [BM, BR]: the metadata of token tpb * r + (the row's slice), from one
+                contiguous [BR] load per slice (a [BM, BR] gather was slower on the H200)."""
+                tile = None
+                for s in range(tpb):
+                    v = plgpu.load(ref.at[b, h, jnp.int32(gi), jnp.int32(s), pl.ds(r0, br)],
+                                   mask=row_ok, other=0).astype(jnp.float32)[None, :]
+                    tile = jnp.broadcast_to(v, (bm, br)) if tile is None else jnp.where(slice_of == s, v, tile)
+                return tile
 
             def codes(packed, gi):
                 return _slices(packed[gi], bits, levels, mult, blocks.inline_asm and not interpret)
@@ -257,8 +265,8 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
                     cv = codes(packed_v, gi)
                     pv = (p * meta(scale_v_ref, gi) * (1.0 / mult)).astype(jnp.bfloat16)
                     acc = jnp.sum(p * meta(lo_v_ref, gi) - offset * pv.astype(jnp.float32), axis=1)[:, None]
-                    for s in range(tpb):
-                        acc = acc + _dot(jnp.where(slice_of == s, pv, 0), cv[s], 0, interpret)
+                    for s in range(tpb):  # rows keep the product with their own slice's codes
+                        acc = acc + jnp.where(out_slice == s, _dot(pv, cv[s], 0, interpret), 0.0)
                     out.append(acc)
                 return out
 
