@@ -5,8 +5,9 @@ cache (2-bit uniform codes, G = D, bf16 metadata, S0 = 64, W = 256) for the
 shapes of issue 5, beside: JAX cuDNN bf16 (`jax.nn.dot_product_attention(...,
 implementation="cudnn")`), torch SDPA bf16 with the flash backend
 (`enable_gqa=True`), XLA bf16 (`implementation="xla"`) and the XLA reference
-over the OSCAR cache (dequantise in XLA, then attend). Also the bulk
-rotate-quantise-pack kernel. Timing: median of >= 50 repetitions after warm-up,
+over the OSCAR cache (dequantise in XLA, then attend), and the Mosaic GPU draft
+kernel (`mixed_attention_mgpu`) where it applies (D = 128, g <= 8; a failure to
+compile is recorded in the row, not raised). Also the bulk rotate-quantise-pack kernel. Timing: median of >= 50 repetitions after warm-up,
 device-synchronised; each timed group runs the op over enough distinct input
 copies (>= 3 x L2 in total) that no copy is served from L2, and the group time
 is divided by the number of copies. GB/s counts the bytes each op must read.
@@ -36,7 +37,7 @@ import numpy as np  # noqa: E402
 from oscar_jax import attention  # noqa: E402
 from oscar_jax import cache as cache_lib  # noqa: E402
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element  # noqa: E402
-from oscar_jax.pallas_kernels.gpu import mixed_attention, quantize_pack  # noqa: E402
+from oscar_jax.pallas_kernels.gpu import mixed_attention, mixed_attention_mgpu, quantize_pack  # noqa: E402
 
 L2_BYTES = 60 * 2**20  # H200
 
@@ -104,8 +105,10 @@ def unrolled(op):
 
 
 def build_oscar(shape: Shape, key, blocks=None):
-    spec = CacheSpec(1, shape.batch, shape.kv_heads, shape.head_dim, shape.seq + 1, 64, 256,
-                     QuantConfig(2))
+    # History capacity >= seq + 1 - S0 - W tokens, rounded to 32 (packed rows a multiple of 8,
+    # which the Mosaic GPU kernel's TMA of 16-byte metadata rows needs).
+    spec = CacheSpec(1, shape.batch, shape.kv_heads, shape.head_dim,
+                     64 + 256 + -(-(shape.seq + 1 - 64 - 256) // 32) * 32, 64, 256, QuantConfig(2))
     d = shape.head_dim
     rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0], jnp.float32)
     params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=shape.kv_heads).layer(0)
@@ -152,6 +155,14 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
     t = time_group(unrolled(lambda qq, c: fn(qq, c, params)), oscar_copies, reps)
     row["oscar_ms"] = t * 1e3
     row["oscar_GBps"] = oscar_nbytes / t / 1e9
+    if shape.head_dim == 128 and shape.q_heads // shape.kv_heads <= 8:
+        mgpu = attention.kernel_attend(mixed_attention_mgpu.mixed_attention)
+        try:
+            t = time_group(unrolled(lambda qq, c: mgpu(qq, c, params)), oscar_copies, reps)
+            row["oscar_mgpu_ms"] = t * 1e3
+            row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
+        except Exception as e:  # noqa: BLE001 - the draft has not been compiled on a GPU yet
+            row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     if not baselines:
         return row
     row["xla_dequant_ms"] = time_group(
@@ -187,6 +198,8 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
     for base in ("jax_cudnn", "torch_flash", "jax_xla"):
         if f"{base}_ms" in row:
             row[f"speedup_vs_{base}"] = row[f"{base}_ms"] / row["oscar_ms"]
+            if "oscar_mgpu_ms" in row:
+                row[f"mgpu_speedup_vs_{base}"] = row[f"{base}_ms"] / row["oscar_mgpu_ms"]
     row["speedup_vs_xla_dequant"] = row["xla_dequant_ms"] / row["oscar_ms"]
     return row
 
@@ -243,14 +256,17 @@ def markdown(result: dict) -> str:
     lines = [f"Decode attention, C = 1, {result['device']}, jax {result['jax']}, "
              f"torch {result.get('torch', 'n/a')}; `{result['command']}`", "",
              "| shape | bpe | OSCAR ms | OSCAR GB/s | cuDNN ms | torch flash ms | XLA bf16 ms | "
-             "XLA dequant ms | x cuDNN | x torch | x XLA dequant |", "|" + "---|" * 11]
+             "XLA dequant ms | x cuDNN | x torch | x XLA dequant | Mosaic GPU draft ms | its x torch |",
+             "|" + "---|" * 13]
     f = lambda r, k: f"{r[k]:.3f}" if k in r else "n/a"
     for r in result["attention"]:
         lines.append(f"| {r['shape']['name']} | {r['bits_per_element']:.2f} | {f(r, 'oscar_ms')} | "
                      f"{r['oscar_GBps']:.0f} | {f(r, 'jax_cudnn_ms')} | {f(r, 'torch_flash_ms')} | "
                      f"{f(r, 'jax_xla_ms')} | {f(r, 'xla_dequant_ms')} | "
                      f"{f(r, 'speedup_vs_jax_cudnn')} | {f(r, 'speedup_vs_torch_flash')} | "
-                     f"{f(r, 'speedup_vs_xla_dequant')} |")
+                     f"{f(r, 'speedup_vs_xla_dequant')} | "
+                     f"{f(r, 'oscar_mgpu_ms') if 'oscar_mgpu_error' not in r else 'failed'} | "
+                     f"{f(r, 'mgpu_speedup_vs_torch_flash')} |")
     c = result["ceiling"]
     w = result["write"]
     lines += ["", f"Read ceiling: XLA sum {c['xla_sum_read_GBps']:.0f} GB/s; copy (read + write) "

@@ -28,7 +28,7 @@ from oscar_jax import attention, quant, reference
 from oscar_jax import cache as cache_lib
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
-from oscar_jax.pallas_kernels.gpu import mixed_attention, quantize_pack
+from oscar_jax.pallas_kernels.gpu import mixed_attention, mixed_attention_mgpu, quantize_pack
 
 HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
 
@@ -100,9 +100,13 @@ def _random_case(rng, spec: CacheSpec, g: int, c: int, lengths: np.ndarray, k_sh
     return q, cache, params
 
 
-def _check_attention(rng, spec, g, c, lengths):
-    q, cache, params = _random_case(rng, spec, g, c, lengths)
-    o, lse = _attend(q, cache, params, implementation="pallas")
+def _check_attention(rng, spec, g, c, lengths, kernel=None, k_shift=False):
+    """kernel: a `mixed_attention`-like function (default: the dispatched Triton kernel)."""
+    q, cache, params = _random_case(rng, spec, g, c, lengths, k_shift=k_shift)
+    if kernel is None:
+        o, lse = _attend(q, cache, params, implementation="pallas")
+    else:
+        o, lse = jax.jit(attention.kernel_attend(kernel))(q, cache, params)
     o_ref, lse_ref = _reference(q, cache, params)
     assert o.shape == o_ref.shape and lse.shape == lse_ref.shape
     assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
@@ -239,6 +243,51 @@ def test_quantize_pack_nan_stays_in_its_token():
 
 
 # ---------------------------------------------------------------------------------------
+# Mosaic GPU draft (mixed_attention_mgpu): decode, D = G = 128, uniform codes, bf16 metadata.
+# On CPU it runs in Mosaic GPU interpret mode; `test_mgpu_lowers_for_cuda` runs the Python
+# side of its sm_90 compilation (layouts, wgmma and TMA checks) without a GPU.
+
+MGPU_CASES = [  # (g, history tokens, target programs: 8 -> one split of many steps, else many splits)
+    (4, 1504, 8), (1, 1504, 64), (3, 100, 8), (8, 480, 32), (4, 992, 1024)]
+
+
+@pytest.mark.parametrize("pattern", [0, 5, 9, 13])
+@pytest.mark.parametrize("case", MGPU_CASES, ids=lambda c: "g{}-hist{}-p{}".format(*c))
+def test_mgpu_attention_matches_reference(case, pattern):
+    g, hist, target = case
+    spec = _spec(128, 128, "uniform", "bfloat16", hist=hist)
+    rng = np.random.default_rng([g, hist, target, pattern])
+    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target)
+    _check_attention(rng, spec, g, 1, _lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True)
+
+
+def test_mgpu_refuses_what_it_does_not_handle():
+    spec = _spec(128, 128, "uniform", "bfloat16", hist=1500)  # 375 packed rows: not a multiple of 8
+    rng = np.random.default_rng(0)
+    q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, cache, params)
+    spec = _spec(64, 64, "uniform", "bfloat16", hist=1504)
+    q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
+    with pytest.raises(ValueError, match="D=128"):
+        attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, cache, params)
+
+
+def test_mgpu_lowers_for_cuda():
+    """B8 H32/8 at 32K: Mosaic GPU's layout inference, wgmma and TMA checks for sm_90."""
+    b, hkv, g, d, rows, sink, window = 8, 8, 4, 128, 8192, 64, 256
+    sds = jax.ShapeDtypeStruct
+    bf, u8 = jnp.bfloat16, jnp.uint8
+    args = (sds((b, 1, hkv * g, d), jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),
+            sds((b, hkv, rows, d), u8), sds((b, hkv, rows, d), u8),
+            *[sds((b, hkv, 1, 4, rows), bf)] * 4,
+            sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
+    fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
+                           levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False)
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+# ---------------------------------------------------------------------------------------
 # The same checks compiled for a real GPU (Triton lowering rules apply): pytest -m gpu.
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -260,6 +309,13 @@ def test_attention_on_gpu_real_windows(d, g, c):
     spec = _spec(d, d, "uniform", "bfloat16", sink=64, window=256, hist=3000)
     rng = np.random.default_rng([d, g, c])
     _check_attention(rng, spec, g, c, np.array([c, 64 + 256 + 1, 1700, spec.max_len], np.int32))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", MGPU_CASES, ids=lambda c: "g{}-hist{}-p{}".format(*c))
+def test_mgpu_attention_on_gpu(case):
+    test_mgpu_attention_matches_reference(case, 9)
 
 
 def _decision_margin(x, rot, lengths, cache, spec):

@@ -1,0 +1,253 @@
+"""Decode attention over the mixed OSCAR cache as a Mosaic GPU (Hopper) kernel. DRAFT.
+
+Status: correct in Mosaic GPU interpret mode on CPU and lowers for sm_90 on a
+CPU host; never compiled or timed on a GPU yet. Not wired into `attention`.
+
+Tokens are the MMA's M dimension ("swap AB"): with g <= 8 query heads per KV
+head, the query side is the N = 8 operand, so a decode step wastes at most
+8 / g of the matrix work (the Triton kernel pads g to 16 rows or expands slices).
+One program per (batch row, KV head, history split); each step moves 64 packed
+rows (256 tokens) of K and V codes and their metadata into shared memory with
+TMA, and for each token slice s (token 4r + s is bits 2s..2s+1 of byte r):
+  scores^T [64, 8] = bf16(128 + code_s) [64, D] @ q^T           (wgmma)
+  scores = scale_s * (scores - 128 Σq_bf16) + lo_s * Σq           (per token)
+  online softmax over tokens (axis 0), per query column
+  out^T [D, 8] += bf16(128 + vcode_s)^T [D, 64] @ (p ∘ vscale_s) [64, 8]
+and Σ p·lo - 128 Σ(p ∘ vscale) is kept per column. The bf16 sink and recent
+ring (S0 + W tokens) are attended in XLA and merged with the history splits
+by log-sum-exp, like the Triton kernel's partials.
+
+Scope of this draft: C = 1, D = 128, G = D, uniform 2-bit codes, bf16
+metadata, g <= 8, packed history rows a multiple of 8 (TMA needs 16-byte
+metadata rows). One warpgroup per program; the TMA of step i + 1 is issued
+before step i is computed (two buffers). Compiled, the K tile is the MMA's A
+operand straight from registers; the V tile (A = V^T) is staged in shared
+memory. The GPU interpreter takes A operands only from shared memory, so in
+interpret mode the K tile is staged too. Next, after the first GPU run:
+warp specialisation (a TMA warpgroup, two compute warpgroups) and a register
+V operand (needs V^T tiles, i.e. a transposed copy or layout).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from oscar_jax.pallas_kernels.gpu.mixed_attention import merge_splits
+
+_ROWS = 64  # packed rows per step: one m64 MMA tile per token slice
+_N = 8  # query columns: g heads padded to the smallest MMA N
+_TPB = 4  # tokens per packed byte (2-bit codes)
+_OFFSET = 128.0  # 0x4300 | code is the bf16 number 128 + code
+_COPIES = 6  # TMA copies per step: K codes, V codes, lo/scale of K and of V
+
+
+def _codes_bf16(packed: jax.Array, s: int) -> jax.Array:
+    """uint8 [R, D] packed bytes -> bf16 [R, D] holding 128 + (code of token slice s)."""
+    x = packed.astype(jnp.uint16)
+    return lax.bitcast_convert_type(((x >> (2 * s)) & jnp.uint16(3)) | jnp.uint16(0x4300), jnp.bfloat16)
+
+
+def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
+            o_ref, lse_ref,
+            q_smem, qsum_smem, ck_smem, cv_smem, meta_smem, a_smem, p_smem, o_smem, lse_smem, bars, tile_bars,
+            *, split_rows: int, hist_rows: int, head_dim: int, registers_a: bool):
+    b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("split")
+    n_hist = n_ref[b]
+    valid_rows = (n_hist + _TPB - 1) // _TPB
+    r_begin = sp * split_rows
+    r_end = jnp.minimum(r_begin + split_rows, valid_rows)
+    steps = (jnp.maximum(r_end - r_begin, 0) + _ROWS - 1) // _ROWS
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, bars.at[0])
+    plgpu.copy_gmem_to_smem(qsum_ref.at[b, h], qsum_smem, bars.at[1])
+    plgpu.barrier_wait(bars.at[0])
+    plgpu.barrier_wait(bars.at[1])
+    col = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
+    row = plgpu.Layout.WGMMA.reduce(1)  # one value per token
+    q_sum = plgpu.load(qsum_smem.at[0], layout=col)  # Σ q (f32 q)
+    q_bf_sum = plgpu.load(qsum_smem.at[1], layout=col)  # Σ of the bf16 MMA operand
+    tile = (_ROWS, _N)
+    by_col = lambda v, shape=tile: lax.broadcast_in_dim(v, shape, [1])
+    by_row = lambda v: lax.broadcast_in_dim(v, tile, [0])
+    row_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
+
+    def tile_start(i):
+        """First packed row of step i; the last tile is moved back to end at the array's end."""
+        r_nominal = r_begin + i * _ROWS
+        return r_nominal, jnp.minimum(r_nominal, hist_rows - _ROWS)
+
+    def issue(i, slot):
+        """TMA of step i's K/V code tiles and 4 metadata tiles into buffer `slot`."""
+        r0 = tile_start(i)[1]
+        sources = [ck_ref.at[b, h, pl.ds(r0, _ROWS)], cv_ref.at[b, h, pl.ds(r0, _ROWS)]]
+        sources += [ref.at[b, h, :, pl.ds(r0, _ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
+        targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
+        for j, (src, dst) in enumerate(zip(sources, targets)):
+            plgpu.copy_gmem_to_smem(src, dst, tile_bars.at[slot * _COPIES + j])
+
+    @pl.when(steps > 0)
+    def _prologue():
+        issue(0, 0)
+
+    def step(i, carry):
+        acc, m, l, lo_acc = carry
+        slot = lax.rem(i, 2)
+
+        @pl.when(i + 1 < steps)  # prefetch the next tile while this one is computed
+        def _prefetch():
+            issue(i + 1, 1 - slot)
+
+        for j in range(_COPIES):
+            plgpu.barrier_wait(tile_bars.at[slot * _COPIES + j])
+        r_nominal, r0 = tile_start(i)
+        fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
+        for s in range(_TPB):
+            meta = [plgpu.load(meta_smem.at[slot, j, s], layout=row).astype(jnp.float32) for j in range(4)]
+            lo_k, scale_k, lo_v, scale_v = meta
+            a_k = _codes_bf16(ck_smem.at[slot][...], s)
+            if not registers_a:  # the GPU interpreter only takes A operands from shared memory
+                a_smem[...] = a_k
+                plgpu.commit_smem()
+                a_k = a_smem
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, a_k, q_smem.T)
+                return acc_ref[...]
+
+            raw = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
+            scores = by_row(scale_k) * (raw - _OFFSET * by_col(q_bf_sum)) + by_row(lo_k) * by_col(q_sum)
+            scores = jnp.where(fresh & (_TPB * (r0 + row_ids) + s < n_hist), scores, -jnp.inf)
+            m_new = jnp.maximum(m, scores.max(axis=0))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp(m - m_use)
+            p = jnp.exp(scores - by_col(m_use))
+            l = l * alpha + p.sum(axis=0)
+            pv = (p * by_row(scale_v)).astype(jnp.bfloat16)
+            lo_acc = lo_acc * alpha + (p * by_row(lo_v) - _OFFSET * pv.astype(jnp.float32)).sum(axis=0)
+            a_smem[...] = _codes_bf16(cv_smem.at[slot][...], s)
+            p_smem.T[...] = pv
+            plgpu.commit_smem()
+
+            def pv_mma(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem.T, p_smem.T)
+                return acc_ref[...]
+
+            # A fresh accumulator per slice (the GPU interpreter has no rule for run_state).
+            acc = acc * by_col(alpha, (head_dim, _N)) + pl.run_scoped(pv_mma, plgpu.ACC((head_dim, _N), jnp.float32))
+            m = m_new
+        return acc, m, l, lo_acc
+
+    init = (plgpu.layout_cast(jnp.zeros((head_dim, _N), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((_N,), -jnp.inf, jnp.float32), col),
+            plgpu.layout_cast(jnp.zeros((_N,), jnp.float32), col),
+            plgpu.layout_cast(jnp.zeros((_N,), jnp.float32), col))
+    acc, m, l, lo_acc = lax.fori_loop(0, steps, step, init)
+    safe_l = jnp.where(l > 0, l, 1.0)
+    o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
+    lse_smem[...] = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, sp])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink: int, window: int):
+    """Attention of the newest query over the bf16 sink and recent ring, in XLA.
+
+    q: f32 [B, Hkv, g, D] (softmax scale folded in). Returns (o f32 [B, Hkv, 1, g, D],
+    lse f32 [B, Hkv, 1, g]); lse = -inf where no bf16 token is visible.
+    """
+    n = lengths[:, None]
+    j = jnp.arange(window)[None, :]
+    wrap = window * (-(-(sink + window) // window) + 1)  # keeps the rem argument >= 0
+    ring_pos = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
+    ring_ok = (j < jnp.clip(n - sink, 0, window)) & (ring_pos >= sink) & (ring_pos >= n - window)
+    sink_ok = jnp.arange(sink)[None, :] < jnp.minimum(n, sink)
+    visible = jnp.concatenate([sink_ok, ring_ok], axis=1)[:, None, None, :]  # [B, 1, 1, S0 + W]
+    k = jnp.concatenate([sink_k, recent_k], axis=2).astype(jnp.float32)
+    v = jnp.concatenate([sink_v, recent_v], axis=2).astype(jnp.float32)
+    s = jnp.where(visible, jnp.einsum("bhgd,bhtd->bhgt", q, k), -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+    o = jnp.einsum("bhgt,bhtd->bhgd", p, v)
+    return o[:, :, None], lse[:, :, None]
+
+
+def supports(spec, c: int, g: int) -> bool:
+    """What this draft handles: decode, D = G = 128, uniform 2-bit codes, bf16 metadata, g <= 8."""
+    q = spec.quant
+    return (c == 1 and g <= _N and spec.head_dim == 128 and spec.group_size == 128 and q.bits == 2
+            and tuple(q.levels) == (0.0, 1.0, 2.0, 3.0) and jnp.dtype(q.jnp_scale_dtype) == jnp.bfloat16)
+
+
+def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
+                    hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
+                    bits: int, levels: tuple[float, ...], softmax_scale: float,
+                    interpret: bool = False, target_programs: int = 8192):
+    """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`.
+
+    q_rot: f32 [B, 1, Hq, D]; codes uint8 [B, Hkv, T_hist/4, D]; lo/scale bf16
+    [B, Hkv, 1, 4, T_hist/4]; sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B].
+    Returns (o_rot f32 [B, 1, Hq, D], lse f32 [B, 1, Hq]).
+    """
+    b, c, hq, d = q_rot.shape
+    hkv = sink_k.shape[1]
+    g = hq // hkv
+    rows = hist_codes_k.shape[2]
+    if c != 1 or g > _N or d != 128 or hist_lo_k.shape[2] != 1 or bits != 2 or \
+            tuple(levels) != (0.0, 1.0, 2.0, 3.0) or hist_lo_k.dtype != jnp.bfloat16:
+        raise ValueError(f"q_rot.shape={q_rot.shape}, groups={hist_lo_k.shape[2]}, bits={bits}, "
+                         f"metadata {hist_lo_k.dtype}: this draft needs C=1, g<=8, D=128, G=D, "
+                         "uniform 2-bit codes and bf16 metadata")
+    q = (q_rot[:, 0].astype(jnp.float32) * softmax_scale).reshape(b, hkv, g, d)
+    q8 = jnp.pad(q, ((0, 0), (0, 0), (0, _N - g), (0, 0)))
+    q_bf = q8.astype(jnp.bfloat16)
+    q_sums = jnp.stack([q8.sum(-1), q_bf.astype(jnp.float32).sum(-1)], axis=2)  # [B, Hkv, 2, 8]
+    n_hist = jnp.clip(lengths.astype(jnp.int32) - window - sink, 0, rows * _TPB)
+
+    codes = [hist_codes_k, hist_codes_v]
+    meta = [x.reshape(b, hkv, _TPB, rows) for x in (hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v)]
+    if rows >= _ROWS and rows % 8:
+        raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: TMA needs 16-byte metadata rows, "
+                         "i.e. T_hist/4 a multiple of 8 (choose max_len - sink - window a multiple of 32)")
+    if rows < _ROWS:  # tiny caches only: every tile must fit inside the arrays
+        codes = [jnp.pad(x, ((0, 0), (0, 0), (0, _ROWS - rows), (0, 0))) for x in codes]
+        meta = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows))) for x in meta]
+    hist_rows = max(rows, _ROWS)
+    tiles = -(-hist_rows // _ROWS)
+    split_rows = _ROWS * -(-tiles // max(1, min(tiles, -(-target_programs // (b * hkv)))))
+    num_splits = -(-hist_rows // split_rows)
+
+    swizzled = lambda minor_bytes: (plgpu.TilingTransform((8, minor_bytes)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, head_dim=d,
+                          registers_a=not interpret),
+        out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits, d, _N), jnp.float32),
+                  jax.ShapeDtypeStruct((b, hkv, num_splits, _N), jnp.float32)],
+        scratch_types=[plgpu.SMEM((_N, d), jnp.bfloat16, transforms=swizzled(64)),
+                       plgpu.SMEM((2, _N), jnp.float32),
+                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # 2 buffers; untiled: any start row
+                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),
+                       plgpu.SMEM((2, 4, _TPB, _ROWS), jnp.bfloat16),
+                       plgpu.SMEM((_ROWS, d), jnp.bfloat16, transforms=swizzled(64)),
+                       plgpu.SMEM((_N, _ROWS), jnp.bfloat16, transforms=swizzled(64)),
+                       plgpu.SMEM((d, _N), jnp.float32),
+                       plgpu.SMEM((_N,), jnp.float32),
+                       plgpu.Barrier(num_barriers=2),
+                       plgpu.Barrier(num_barriers=2 * _COPIES)],
+        grid=(b, hkv, num_splits),
+        grid_names=("b", "h", "split"),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )
+    o_t, lse_h = kernel(n_hist, q_bf, q_sums, *codes, *meta)
+    o_h = jnp.swapaxes(o_t, -1, -2)[..., :g, :]  # [B, Hkv, S, g, D]
+    o_d, lse_d = _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink, window)
+    o, lse = merge_splits(jnp.concatenate([o_h, o_d], axis=2),
+                          jnp.concatenate([lse_h[..., :g], lse_d], axis=2))
+    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
