@@ -78,7 +78,9 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     row_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
 
     def tile_start(i):
-        """First packed row of step i; the last tile is moved back to end at the array's end."""
+        """First packed row of step i; the last tile is moved back to end at the array's end.
+        Both are multiples of 8 (split_rows % 64 == 0, hist_rows % 8 == 0), which the TMA into
+        the (8, 128)-tiled code buffers needs."""
         r_nominal = r_begin + i * _ROWS
         return r_nominal, jnp.minimum(r_nominal, hist_rows - _ROWS)
 
@@ -96,7 +98,7 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         issue(0, 0)
 
     def step(i, carry):
-        acc, m, l, lo_acc = carry
+        acc, m, l_part, lo_part = carry
         slot = lax.rem(i, 2)
 
         @pl.when(i + 1 < steps)  # prefetch the next tile while this one is computed
@@ -107,10 +109,13 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             plgpu.barrier_wait(tile_bars.at[slot * _COPIES + j])
         r_nominal, r0 = tile_start(i)
         fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
+        packed_k, packed_v = ck_smem.at[slot][...], cv_smem.at[slot][...]  # read once per step
+        meta = [[plgpu.load(meta_smem.at[slot, j, s], layout=row).astype(jnp.float32) for j in range(4)]
+                for s in range(_TPB)]  # per slice: lo_k, scale_k, lo_v, scale_v [64]
+        scores = []
         for s in range(_TPB):
-            meta = [plgpu.load(meta_smem.at[slot, j, s], layout=row).astype(jnp.float32) for j in range(4)]
-            lo_k, scale_k, lo_v, scale_v = meta
-            a_k = _codes_bf16(ck_smem.at[slot][...], s)
+            lo_k, scale_k = meta[s][0], meta[s][1]
+            a_k = _codes_bf16(packed_k, s)
             if not registers_a:  # the GPU interpreter only takes A operands from shared memory
                 a_smem[...] = a_k
                 plgpu.commit_smem()
@@ -121,16 +126,21 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
                 return acc_ref[...]
 
             raw = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
-            scores = by_row(scale_k) * (raw - _OFFSET * by_col(q_bf_sum)) + by_row(lo_k) * by_col(q_sum)
-            scores = jnp.where(fresh & (_TPB * (r0 + row_ids) + s < n_hist), scores, -jnp.inf)
-            m_new = jnp.maximum(m, scores.max(axis=0))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(m - m_use)
-            p = jnp.exp(scores - by_col(m_use))
-            l = l * alpha + p.sum(axis=0)
+            sc = by_row(scale_k) * (raw - _OFFSET * by_col(q_bf_sum)) + by_row(lo_k) * by_col(q_sum)
+            scores.append(jnp.where(fresh & (_TPB * (r0 + row_ids) + s < n_hist), sc, -jnp.inf))
+        # One cross-warp reduction per step: the running max over the 4 slices' tokens.
+        m_new = jnp.maximum(m, functools.reduce(jnp.maximum, scores).max(axis=0))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_use)
+        l_part, lo_part = l_part * by_col(alpha), lo_part * by_col(alpha)
+        acc = acc * by_col(alpha, (head_dim, _N))
+        for s in range(_TPB):
+            lo_v, scale_v = meta[s][2], meta[s][3]
+            p = jnp.exp(scores[s] - by_col(m_use))
             pv = (p * by_row(scale_v)).astype(jnp.bfloat16)
-            lo_acc = lo_acc * alpha + (p * by_row(lo_v) - _OFFSET * pv.astype(jnp.float32)).sum(axis=0)
-            a_smem[...] = _codes_bf16(cv_smem.at[slot][...], s)
+            l_part = l_part + p  # per-token partial sums, reduced over tokens once at the end
+            lo_part = lo_part + p * by_row(lo_v) - _OFFSET * pv.astype(jnp.float32)
+            a_smem[...] = _codes_bf16(packed_v, s)
             p_smem.T[...] = pv
             plgpu.commit_smem()
 
@@ -139,15 +149,14 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
                 return acc_ref[...]
 
             # A fresh accumulator per slice (the GPU interpreter has no rule for run_state).
-            acc = acc * by_col(alpha, (head_dim, _N)) + pl.run_scoped(pv_mma, plgpu.ACC((head_dim, _N), jnp.float32))
-            m = m_new
-        return acc, m, l, lo_acc
+            acc = acc + pl.run_scoped(pv_mma, plgpu.ACC((head_dim, _N), jnp.float32))
+        return acc, m_new, l_part, lo_part
 
-    init = (plgpu.layout_cast(jnp.zeros((head_dim, _N), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((_N,), -jnp.inf, jnp.float32), col),
-            plgpu.layout_cast(jnp.zeros((_N,), jnp.float32), col),
-            plgpu.layout_cast(jnp.zeros((_N,), jnp.float32), col))
-    acc, m, l, lo_acc = lax.fori_loop(0, steps, step, init)
+    wgmma_tile = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    init = (wgmma_tile((head_dim, _N)), plgpu.layout_cast(jnp.full((_N,), -jnp.inf, jnp.float32), col),
+            wgmma_tile(tile), wgmma_tile(tile))
+    acc, m, l_part, lo_part = lax.fori_loop(0, steps, step, init)
+    l, lo_acc = l_part.sum(axis=0), lo_part.sum(axis=0)
     safe_l = jnp.where(l > 0, l, 1.0)
     o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
     lse_smem[...] = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
@@ -189,12 +198,14 @@ def supports(spec, c: int, g: int) -> bool:
 def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
-                    interpret: bool = False, target_programs: int = 8192):
+                    interpret: bool = False, target_programs: int = 1024):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`.
 
     q_rot: f32 [B, 1, Hq, D]; codes uint8 [B, Hkv, T_hist/4, D]; lo/scale bf16
     [B, Hkv, 1, 4, T_hist/4]; sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B].
-    Returns (o_rot f32 [B, 1, Hq, D], lse f32 [B, 1, Hq]).
+    Returns (o_rot f32 [B, 1, Hq, D], lse f32 [B, 1, Hq]). target_programs: history
+    splits are chosen for about this many programs (~3 fit per H200 SM by shared memory);
+    fewer, longer programs let the double-buffered TMA overlap and write fewer partials.
     """
     b, c, hq, d = q_rot.shape
     hkv = sink_k.shape[1]
@@ -232,8 +243,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
                   jax.ShapeDtypeStruct((b, hkv, num_splits, _N), jnp.float32)],
         scratch_types=[plgpu.SMEM((_N, d), jnp.bfloat16, transforms=swizzled(64)),
                        plgpu.SMEM((2, _N), jnp.float32),
-                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # 2 buffers; untiled: any start row
-                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),
+                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # 2 buffers each; layout inference
+                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # tiles them (8, 128): r0 % 8 == 0
                        plgpu.SMEM((2, 4, _TPB, _ROWS), jnp.bfloat16),
                        plgpu.SMEM((_ROWS, d), jnp.bfloat16, transforms=swizzled(64)),
                        plgpu.SMEM((_N, _ROWS), jnp.bfloat16, transforms=swizzled(64)),
@@ -243,6 +254,7 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
                        plgpu.Barrier(num_barriers=2 * _COPIES)],
         grid=(b, hkv, num_splits),
         grid_names=("b", "h", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
     o_t, lse_h = kernel(n_hist, q_bf, q_sums, *codes, *meta)
