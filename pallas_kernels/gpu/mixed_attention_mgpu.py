@@ -112,20 +112,21 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         packed_k, packed_v = ck_smem.at[slot][...], cv_smem.at[slot][...]  # read once per step
         meta = [[plgpu.load(meta_smem.at[slot, j, s], layout=row).astype(jnp.float32) for j in range(4)]
                 for s in range(_TPB)]  # per slice: lo_k, scale_k, lo_v, scale_v [64]
-        scores = []
-        for s in range(_TPB):
-            lo_k, scale_k = meta[s][0], meta[s][1]
-            a_k = _codes_bf16(packed_k, s)
-            if not registers_a:  # the GPU interpreter only takes A operands from shared memory
-                a_smem[...] = a_k
-                plgpu.commit_smem()
-                a_k = a_smem
 
-            def qk(acc_ref):
+        def qk(*acc_refs):
+            """The 4 slices' K products, issued back to back, waited on once."""
+            for s, acc_ref in enumerate(acc_refs):
+                a_k = _codes_bf16(packed_k, s)
+                if not registers_a:  # interpreter only (A from shared memory; its MMAs are synchronous)
+                    a_smem.at[0][...] = a_k
+                    plgpu.commit_smem()
+                    a_k = a_smem.at[0]
                 plgpu.wgmma(acc_ref, a_k, q_smem.T)
-                return acc_ref[...]
+            return [acc_ref[...] for acc_ref in acc_refs]
 
-            raw = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
+        scores = []
+        for s, raw in enumerate(pl.run_scoped(qk, *[plgpu.ACC(tile, jnp.float32)] * _TPB)):
+            lo_k, scale_k = meta[s][0], meta[s][1]
             sc = by_row(scale_k) * (raw - _OFFSET * by_col(q_bf_sum)) + by_row(lo_k) * by_col(q_sum)
             scores.append(jnp.where(fresh & (_TPB * (r0 + row_ids) + s < n_hist), sc, -jnp.inf))
         # One cross-warp reduction per step: the running max over the 4 slices' tokens.
@@ -134,22 +135,29 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         alpha = jnp.exp(m - m_use)
         l_part, lo_part = l_part * by_col(alpha), lo_part * by_col(alpha)
         acc = acc * by_col(alpha, (head_dim, _N))
-        for s in range(_TPB):
-            lo_v, scale_v = meta[s][2], meta[s][3]
-            p = jnp.exp(scores[s] - by_col(m_use))
-            pv = (p * by_row(scale_v)).astype(jnp.bfloat16)
-            l_part = l_part + p  # per-token partial sums, reduced over tokens once at the end
-            lo_part = lo_part + p * by_row(lo_v) - _OFFSET * pv.astype(jnp.float32)
-            a_smem[...] = _codes_bf16(packed_v, s)
-            p_smem.T[...] = pv
-            plgpu.commit_smem()
 
-            def pv_mma(acc_ref):
-                plgpu.wgmma(acc_ref, a_smem.T, p_smem.T)
-                return acc_ref[...]
+        def pv_mma(acc_ref):
+            """Σ_s (V_s)^T (p_s ∘ scale_v): two staging buffers, one MMA left in flight while
+            the next slice is unpacked and stored."""
+            sums = []
+            for s in range(_TPB):
+                lo_v, scale_v = meta[s][2], meta[s][3]
+                p = jnp.exp(scores[s] - by_col(m_use))
+                pv = (p * by_row(scale_v)).astype(jnp.bfloat16)
+                sums.append((p, p * by_row(lo_v) - _OFFSET * pv.astype(jnp.float32)))
+                buf = s % 2  # read by the MMA of slice s - 2, finished by the wait below
+                a_smem.at[buf][...] = _codes_bf16(packed_v, s)
+                p_smem.at[buf].T[...] = pv
+                plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, a_smem.at[buf].T, p_smem.at[buf].T)
+                plgpu.wgmma_wait(1)
+            return acc_ref[...], sums
 
-            # A fresh accumulator per slice (the GPU interpreter has no rule for run_state).
-            acc = acc + pl.run_scoped(pv_mma, plgpu.ACC((head_dim, _N), jnp.float32))
+        # A fresh accumulator per step (the GPU interpreter has no rule for run_state).
+        pv_sum, sums = pl.run_scoped(pv_mma, plgpu.ACC((head_dim, _N), jnp.float32))
+        acc = acc + pv_sum
+        for p, lo_term in sums:  # per-token partial sums, reduced over tokens once at the end
+            l_part, lo_part = l_part + p, lo_part + lo_term
         return acc, m_new, l_part, lo_part
 
     wgmma_tile = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -246,8 +254,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
                        plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # 2 buffers each; layout inference
                        plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # tiles them (8, 128): r0 % 8 == 0
                        plgpu.SMEM((2, 4, _TPB, _ROWS), jnp.bfloat16),
-                       plgpu.SMEM((_ROWS, d), jnp.bfloat16, transforms=swizzled(64)),
-                       plgpu.SMEM((_N, _ROWS), jnp.bfloat16, transforms=swizzled(64)),
+                       plgpu.SMEM((2, _ROWS, d), jnp.bfloat16, transforms=swizzled(64)),
+                       plgpu.SMEM((2, _N, _ROWS), jnp.bfloat16, transforms=swizzled(64)),
                        plgpu.SMEM((d, _N), jnp.float32),
                        plgpu.SMEM((_N,), jnp.float32),
                        plgpu.Barrier(num_barriers=2),
