@@ -91,7 +91,7 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         sources += [ref.at[b, h, :, pl.ds(r0, _ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
         targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
         for j, (src, dst) in enumerate(zip(sources, targets)):
-            plgpu.copy_gmem_to_smem(src, dst, tile_bars.at[slot * _COPIES + j])
+            plgpu.copy_gmem_to_smem(src, dst, tile_bars.at[slot])  # one arrival per copy
 
     @pl.when(steps > 0)
     def _prologue():
@@ -105,8 +105,7 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         def _prefetch():
             issue(i + 1, 1 - slot)
 
-        for j in range(_COPIES):
-            plgpu.barrier_wait(tile_bars.at[slot * _COPIES + j])
+        plgpu.barrier_wait(tile_bars.at[slot])
         r_nominal, r0 = tile_start(i)
         fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
         packed_k, packed_v = ck_smem.at[slot][...], cv_smem.at[slot][...]  # read once per step
@@ -259,7 +258,7 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
                        plgpu.SMEM((d, _N), jnp.float32),
                        plgpu.SMEM((_N,), jnp.float32),
                        plgpu.Barrier(num_barriers=2),
-                       plgpu.Barrier(num_barriers=2 * _COPIES)],
+                       plgpu.Barrier(num_arrivals=_COPIES, num_barriers=2)],
         grid=(b, hkv, num_splits),
         grid_names=("b", "h", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
