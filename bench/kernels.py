@@ -6,11 +6,11 @@ shapes of issue 5, beside: JAX cuDNN bf16 (`jax.nn.dot_product_attention(...,
 implementation="cudnn")`), torch SDPA bf16 with the flash backend
 (`enable_gqa=True`), XLA bf16 (`implementation="xla"`) and the XLA reference
 over the OSCAR cache (dequantise in XLA, then attend), and the Mosaic GPU draft
-kernel (`mixed_attention_mgpu`) where it applies (D = 128, g <= 8; a failure to
-compile is recorded in the row, not raised). Also the bulk rotate-quantise-pack kernel. Timing: median of >= 50 repetitions after warm-up,
-device-synchronised; each timed group runs the op over enough distinct input
-copies (>= 3 x L2 in total) that no copy is served from L2, and the group time
-is divided by the number of copies. GB/s counts the bytes each op must read.
+kernel (`mixed_attention_mgpu`) where it applies (a failure to compile is recorded
+in the row, not raised). Also the bulk rotate-quantise-pack kernel. Timing: median
+of >= 50 repetitions after warm-up, device-synchronised; each timed group runs the
+op over enough distinct input copies (>= 3 x L2 in total) that no copy is served
+from L2, and the group time is divided by the number of copies. GB/s counts the bytes each op must read.
 
 Run on a GPU:  python bench/kernels.py --tune --shapes 2,0,1,3,4,5,6 --out bench/results/kernels_h200.json
 (--tune first sweeps BlockSizes on the first shape and uses the fastest for all.)
@@ -155,7 +155,7 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
     t = time_group(unrolled(lambda qq, c: fn(qq, c, params)), oscar_copies, reps)
     row["oscar_ms"] = t * 1e3
     row["oscar_GBps"] = oscar_nbytes / t / 1e9
-    if shape.head_dim == 128 and shape.q_heads // shape.kv_heads <= 8:
+    if mixed_attention_mgpu.supports(cache.spec, 1, shape.q_heads // shape.kv_heads):
         mgpu = attention.kernel_attend(mixed_attention_mgpu.mixed_attention)
         try:
             t = time_group(unrolled(lambda qq, c: mgpu(qq, c, params)), oscar_copies, reps)

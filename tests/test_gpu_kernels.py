@@ -257,6 +257,7 @@ def test_mgpu_attention_matches_reference(case, pattern):
     g, hist, target = case
     spec = _spec(128, 128, "uniform", "bfloat16", hist=hist)
     rng = np.random.default_rng([g, hist, target, pattern])
+    assert mixed_attention_mgpu.supports(spec, 1, g)
     kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target)
     _check_attention(rng, spec, g, 1, _lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True)
 
@@ -265,10 +266,12 @@ def test_mgpu_refuses_what_it_does_not_handle():
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1500)  # 375 packed rows: not a multiple of 8
     rng = np.random.default_rng(0)
     q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
+    assert not mixed_attention_mgpu.supports(spec, 1, 4)
     with pytest.raises(ValueError, match="multiple of 8"):
         attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, cache, params)
     spec = _spec(64, 64, "uniform", "bfloat16", hist=1504)
     q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
+    assert not mixed_attention_mgpu.supports(spec, 1, 4) and not mixed_attention_mgpu.supports(spec, 7, 4)
     with pytest.raises(ValueError, match="D=128"):
         attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, cache, params)
 

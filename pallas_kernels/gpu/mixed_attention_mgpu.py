@@ -196,10 +196,13 @@ def _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink: int, wi
 
 
 def supports(spec, c: int, g: int) -> bool:
-    """What this draft handles: decode, D = G = 128, uniform 2-bit codes, bf16 metadata, g <= 8."""
+    """What this draft handles (a `CacheSpec`, C queries, g query heads per KV head): decode,
+    D = G = 128, uniform 2-bit codes, bf16 metadata, g <= 8, packed rows a multiple of 8."""
     q = spec.quant
+    rows = spec.hist_capacity // _TPB
     return (c == 1 and g <= _N and spec.head_dim == 128 and spec.group_size == 128 and q.bits == 2
-            and tuple(q.levels) == (0.0, 1.0, 2.0, 3.0) and jnp.dtype(q.jnp_scale_dtype) == jnp.bfloat16)
+            and tuple(q.levels) == (0.0, 1.0, 2.0, 3.0) and jnp.dtype(q.jnp_scale_dtype) == jnp.bfloat16
+            and (rows < _ROWS or rows % 8 == 0))
 
 
 def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
