@@ -17,8 +17,8 @@ and Σ p·lo - 128 Σ(p ∘ vscale) is kept per column. The bf16 sink and recent
 ring (S0 + W tokens) are attended in XLA and merged with the history splits
 by log-sum-exp, like the Triton kernel's partials.
 
-Scope of this draft: C = 1, D = 128, G = D, uniform 2-bit codes, bf16
-metadata, g <= 8, packed history rows a multiple of 8 (TMA needs 16-byte
+Scope of this draft: C = 1, D in {64, 128, 256}, G = D, uniform 2-bit codes,
+bf16 metadata, g <= 8, packed history rows a multiple of 8 (TMA needs 16-byte
 metadata rows). One warpgroup per program; the TMA of step i + 1 is issued
 before step i is computed (two buffers). Compiled, the K tile is the MMA's A
 operand straight from registers; the V tile (A = V^T) is staged in shared
@@ -80,7 +80,7 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     def tile_start(i):
         """First packed row of step i; the last tile is moved back to end at the array's end.
         Both are multiples of 8 (split_rows % 64 == 0, hist_rows % 8 == 0), which the TMA into
-        the (8, 128)-tiled code buffers needs."""
+        the 8-row-tiled code buffers needs."""
         r_nominal = r_begin + i * _ROWS
         return r_nominal, jnp.minimum(r_nominal, hist_rows - _ROWS)
 
@@ -197,10 +197,12 @@ def _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink: int, wi
 
 def supports(spec, c: int, g: int) -> bool:
     """What this draft handles (a `CacheSpec`, C queries, g query heads per KV head): decode,
-    D = G = 128, uniform 2-bit codes, bf16 metadata, g <= 8, packed rows a multiple of 8."""
+    D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata, g <= 8, packed rows a
+    multiple of 8."""
     q = spec.quant
     rows = spec.hist_capacity // _TPB
-    return (c == 1 and g <= _N and spec.head_dim == 128 and spec.group_size == 128 and q.bits == 2
+    return (c == 1 and g <= _N and spec.head_dim in (64, 128, 256) and spec.group_size == spec.head_dim
+            and q.bits == 2
             and tuple(q.levels) == (0.0, 1.0, 2.0, 3.0) and jnp.dtype(q.jnp_scale_dtype) == jnp.bfloat16
             and (rows < _ROWS or rows % 8 == 0))
 
@@ -221,10 +223,10 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     hkv = sink_k.shape[1]
     g = hq // hkv
     rows = hist_codes_k.shape[2]
-    if c != 1 or g > _N or d != 128 or hist_lo_k.shape[2] != 1 or bits != 2 or \
+    if c != 1 or g > _N or d not in (64, 128, 256) or hist_lo_k.shape[2] != 1 or bits != 2 or \
             tuple(levels) != (0.0, 1.0, 2.0, 3.0) or hist_lo_k.dtype != jnp.bfloat16:
         raise ValueError(f"q_rot.shape={q_rot.shape}, groups={hist_lo_k.shape[2]}, bits={bits}, "
-                         f"metadata {hist_lo_k.dtype}: this draft needs C=1, g<=8, D=128, G=D, "
+                         f"metadata {hist_lo_k.dtype}: this draft needs C=1, g<=8, D in (64, 128, 256), G=D, "
                          "uniform 2-bit codes and bf16 metadata")
     q = (q_rot[:, 0].astype(jnp.float32) * softmax_scale).reshape(b, hkv, g, d)
     q8 = jnp.pad(q, ((0, 0), (0, 0), (0, _N - g), (0, 0)))
@@ -254,7 +256,7 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         scratch_types=[plgpu.SMEM((_N, d), jnp.bfloat16, transforms=swizzled(64)),
                        plgpu.SMEM((2, _N), jnp.float32),
                        plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # 2 buffers each; layout inference
-                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # tiles them (8, 128): r0 % 8 == 0
+                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # tiles them in 8 rows: r0 % 8 == 0
                        plgpu.SMEM((2, 4, _TPB, _ROWS), jnp.bfloat16),
                        plgpu.SMEM((2, _ROWS, d), jnp.bfloat16, transforms=swizzled(64)),
                        plgpu.SMEM((2, _N, _ROWS), jnp.bfloat16, transforms=swizzled(64)),
