@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from oscar_jax.pallas_kernels.gpu.mixed_attention import merge_splits
+from .mixed_attention import merge_splits
 
 _ROWS = 64  # packed rows per step: one m64 MMA tile per token slice
 _N = 8  # query columns: g heads padded to the smallest MMA N
@@ -180,10 +180,10 @@ def _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink: int, wi
     lse f32 [B, Hkv, 1, g]); lse = -inf where no bf16 token is visible.
     """
     n = lengths[:, None]
-    j = jnp.arange(window)[None, :]
-    wrap = window * (-(-(sink + window) // window) + 1)  # keeps the rem argument >= 0
-    ring_pos = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
-    ring_ok = (j < jnp.clip(n - sink, 0, window)) & (ring_pos >= sink) & (ring_pos >= n - window)
+    # Ring slot j holds the newest position p < n with (p - S0) % W == j (cache.ring_positions;
+    # pallas_kernels does not import oscar_jax, so the rule is restated here).
+    ring_pos = n - 1 - jnp.mod(n - 1 - sink - jnp.arange(window)[None, :], window)
+    ring_ok = (ring_pos >= sink) & (ring_pos >= n - window)
     sink_ok = jnp.arange(sink)[None, :] < jnp.minimum(n, sink)
     visible = jnp.concatenate([sink_ok, ring_ok], axis=1)[:, None, None, :]  # [B, 1, 1, S0 + W]
     k = jnp.concatenate([sink_k, recent_k], axis=2).astype(jnp.float32)
