@@ -243,7 +243,7 @@ def test_quantize_pack_nan_stays_in_its_token():
 
 
 # ---------------------------------------------------------------------------------------
-# Mosaic GPU draft (mixed_attention_mgpu): decode, G = D, uniform codes, bf16 metadata.
+# Mosaic GPU kernel (mixed_attention_mgpu): decode, G = D, uniform codes, bf16 metadata.
 # On CPU it runs in Mosaic GPU interpret mode; `test_mgpu_lowers_for_cuda` runs the Python
 # side of its sm_90 compilation (layouts, wgmma and TMA checks) without a GPU.
 

@@ -1,7 +1,10 @@
-"""Decode attention over the mixed OSCAR cache as a Mosaic GPU (Hopper) kernel. DRAFT.
+"""Decode attention over the mixed OSCAR cache as a Mosaic GPU (Hopper) kernel.
 
-Status: correct in Mosaic GPU interpret mode on CPU and lowers for sm_90 on a
-CPU host; never compiled or timed on a GPU yet. Not wired into `attention`.
+Status: compiled and correct on the H200 (`pytest -m gpu -k mgpu`), and in Mosaic GPU
+interpret mode on CPU. Not dispatched by `attention`: on the H200 it ties the Triton
+kernel at B8 H32/8 D128 128K (0.784 vs 0.797 ms), is ~12% faster at 32K and slower at
+D = 256 (bench/results/kernels_mgpu_h200.md). ptxas gives it 255 registers (2 programs
+per SM); the unpack is ~2.2 instructions per code element (16-bit shifts).
 
 Tokens are the MMA's M dimension ("swap AB"): with g <= 8 query heads per KV
 head, the query side is the N = 8 operand, so a decode step wastes at most
@@ -10,22 +13,20 @@ One program per (batch row, KV head, history split); each step moves 64 packed
 rows (256 tokens) of K and V codes and their metadata into shared memory with
 TMA, and for each token slice s (token 4r + s is bits 2s..2s+1 of byte r):
   scores^T [64, 8] = bf16(128 + code_s) [64, D] @ q^T           (wgmma)
-  scores = scale_s * (scores - 128 Σq_bf16) + lo_s * Σq           (per token)
+  scores = scale_s * (scores - 128 Σq) + lo_s * Σq                (per token; Σq of bf16 q)
   online softmax over tokens (axis 0), per query column
   out^T [D, 8] += bf16(128 + vcode_s)^T [D, 64] @ (p ∘ vscale_s) [64, 8]
 and Σ p·lo - 128 Σ(p ∘ vscale) is kept per column. The bf16 sink and recent
 ring (S0 + W tokens) are attended in XLA and merged with the history splits
 by log-sum-exp, like the Triton kernel's partials.
 
-Scope of this draft: C = 1, D in {64, 128, 256}, G = D, uniform 2-bit codes,
-bf16 metadata, g <= 8, packed history rows a multiple of 8 (TMA needs 16-byte
-metadata rows). One warpgroup per program; the TMA of step i + 1 is issued
-before step i is computed (two buffers). Compiled, the K tile is the MMA's A
-operand straight from registers; the V tile (A = V^T) is staged in shared
-memory. The GPU interpreter takes A operands only from shared memory, so in
-interpret mode the K tile is staged too. Next, after the first GPU run:
-warp specialisation (a TMA warpgroup, two compute warpgroups) and a register
-V operand (needs V^T tiles, i.e. a transposed copy or layout).
+Scope: C = 1, D in {64, 128, 256}, G = D, uniform 2-bit codes, bf16 metadata,
+g <= 8, packed history rows a multiple of 8 (TMA needs 16-byte metadata rows).
+One warpgroup per program; the TMA of step i + buffers - 1 is issued before
+step i is computed. Compiled, the K tile is the MMA's A operand straight from
+registers; the V tile (A = V^T) is staged in shared memory (Mosaic GPU cannot
+load a transposed uint8 tile into the WGMMA layout). The GPU interpreter takes
+A operands only from shared memory, so in interpret mode the K tile is staged too.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ def _codes_bf16(packed: jax.Array, s: int) -> jax.Array:
     return lax.bitcast_convert_type(((x >> (2 * s)) & jnp.uint16(3)) | jnp.uint16(0x4300), jnp.bfloat16)
 
 
-def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
+def _kernel(n_ref, q_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             o_ref, lse_ref,
-            q_smem, qsum_smem, ck_smem, cv_smem, meta_smem, a_smem, p_smem, o_smem, lse_smem, bars, tile_bars,
-            *, split_rows: int, hist_rows: int, head_dim: int, registers_a: bool):
+            q_smem, ck_smem, cv_smem, meta_smem, a_smem, p_smem, o_smem, lse_smem, q_bar, tile_bars,
+            *, split_rows: int, hist_rows: int, head_dim: int, buffers: int, registers_a: bool):
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("split")
     n_hist = n_ref[b]
     valid_rows = (n_hist + _TPB - 1) // _TPB
@@ -64,15 +65,24 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     r_end = jnp.minimum(r_begin + split_rows, valid_rows)
     steps = (jnp.maximum(r_end - r_begin, 0) + _ROWS - 1) // _ROWS
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, bars.at[0])
-    plgpu.copy_gmem_to_smem(qsum_ref.at[b, h], qsum_smem, bars.at[1])
-    plgpu.barrier_wait(bars.at[0])
-    plgpu.barrier_wait(bars.at[1])
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+    plgpu.barrier_wait(q_bar.at[0])
     col = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
     row = plgpu.Layout.WGMMA.reduce(1)  # one value per token
-    q_sum = plgpu.load(qsum_smem.at[0], layout=col)  # Σ q (f32 q)
-    q_bf_sum = plgpu.load(qsum_smem.at[1], layout=col)  # Σ of the bf16 MMA operand
     tile = (_ROWS, _N)
+
+    def column_sums(acc_ref):
+        """Σ_d q[c, d] of the bf16 MMA operand, as a [64, 8] tile (the same in every row): an MMA
+        of a ones tile with q. (A vector loaded with the column layout came out permuted on the
+        H200, so the sums are made in the tile layout the scores already have.)"""
+        a_smem.at[0][...] = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 1.0, jnp.bfloat16),
+                                              plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, a_smem.at[0], q_smem.T)
+        return acc_ref[...]
+
+    q_sum = pl.run_scoped(column_sums, plgpu.ACC(tile, jnp.float32))
+    q_offset = _OFFSET * q_sum  # what the 128 in bf16(128 + code) adds to every score
     by_col = lambda v, shape=tile: lax.broadcast_in_dim(v, shape, [1])
     by_row = lambda v: lax.broadcast_in_dim(v, tile, [0])
     row_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
@@ -93,17 +103,14 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         for j, (src, dst) in enumerate(zip(sources, targets)):
             plgpu.copy_gmem_to_smem(src, dst, tile_bars.at[slot])  # one arrival per copy
 
-    @pl.when(steps > 0)
-    def _prologue():
-        issue(0, 0)
+    for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
+        pl.when(j < steps)(functools.partial(issue, j, j))
 
     def step(i, carry):
         acc, m, l_part, lo_part = carry
-        slot = lax.rem(i, 2)
-
-        @pl.when(i + 1 < steps)  # prefetch the next tile while this one is computed
-        def _prefetch():
-            issue(i + 1, 1 - slot)
+        slot = lax.rem(i, buffers)
+        ahead = i + buffers - 1  # into the buffer step i - 1 read (its data is in registers)
+        pl.when(ahead < steps)(lambda: issue(ahead, lax.rem(ahead, buffers)))
 
         plgpu.barrier_wait(tile_bars.at[slot])
         r_nominal, r0 = tile_start(i)
@@ -126,7 +133,7 @@ def _kernel(n_ref, q_ref, qsum_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         scores = []
         for s, raw in enumerate(pl.run_scoped(qk, *[plgpu.ACC(tile, jnp.float32)] * _TPB)):
             lo_k, scale_k = meta[s][0], meta[s][1]
-            sc = by_row(scale_k) * (raw - _OFFSET * by_col(q_bf_sum)) + by_row(lo_k) * by_col(q_sum)
+            sc = by_row(scale_k) * (raw - q_offset) + by_row(lo_k) * q_sum
             scores.append(jnp.where(fresh & (_TPB * (r0 + row_ids) + s < n_hist), sc, -jnp.inf))
         # One cross-warp reduction per step: the running max over the 4 slices' tokens.
         m_new = jnp.maximum(m, functools.reduce(jnp.maximum, scores).max(axis=0))
@@ -196,7 +203,7 @@ def _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink: int, wi
 
 
 def supports(spec, c: int, g: int) -> bool:
-    """What this draft handles (a `CacheSpec`, C queries, g query heads per KV head): decode,
+    """What this kernel handles (a `CacheSpec`, C queries, g query heads per KV head): decode,
     D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata, g <= 8, packed rows a
     multiple of 8."""
     q = spec.quant
@@ -210,14 +217,15 @@ def supports(spec, c: int, g: int) -> bool:
 def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
-                    interpret: bool = False, target_programs: int = 1024):
+                    interpret: bool = False, target_programs: int = 1024, buffers: int = 2):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`.
 
     q_rot: f32 [B, 1, Hq, D]; codes uint8 [B, Hkv, T_hist/4, D]; lo/scale bf16
     [B, Hkv, 1, 4, T_hist/4]; sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B].
     Returns (o_rot f32 [B, 1, Hq, D], lse f32 [B, 1, Hq]). target_programs: history
-    splits are chosen for about this many programs (~3 fit per H200 SM by shared memory);
-    fewer, longer programs let the double-buffered TMA overlap and write fewer partials.
+    splits are chosen for about this many programs (2 fit per H200 SM by registers).
+    buffers: TMA pipeline depth; on the H200 3 and 4 were slower than 2 (fewer programs
+    fit per SM), see bench/results/kernels_mgpu_ab_h200.json.
     """
     b, c, hq, d = q_rot.shape
     hkv = sink_k.shape[1]
@@ -226,12 +234,11 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     if c != 1 or g > _N or d not in (64, 128, 256) or hist_lo_k.shape[2] != 1 or bits != 2 or \
             tuple(levels) != (0.0, 1.0, 2.0, 3.0) or hist_lo_k.dtype != jnp.bfloat16:
         raise ValueError(f"q_rot.shape={q_rot.shape}, groups={hist_lo_k.shape[2]}, bits={bits}, "
-                         f"metadata {hist_lo_k.dtype}: this draft needs C=1, g<=8, D in (64, 128, 256), G=D, "
+                         f"metadata {hist_lo_k.dtype}: this kernel needs C=1, g<=8, D in (64, 128, 256), G=D, "
                          "uniform 2-bit codes and bf16 metadata")
     q = (q_rot[:, 0].astype(jnp.float32) * softmax_scale).reshape(b, hkv, g, d)
     q8 = jnp.pad(q, ((0, 0), (0, 0), (0, _N - g), (0, 0)))
     q_bf = q8.astype(jnp.bfloat16)
-    q_sums = jnp.stack([q8.sum(-1), q_bf.astype(jnp.float32).sum(-1)], axis=2)  # [B, Hkv, 2, 8]
     n_hist = jnp.clip(lengths.astype(jnp.int32) - window - sink, 0, rows * _TPB)
 
     codes = [hist_codes_k, hist_codes_v]
@@ -250,26 +257,25 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     swizzled = lambda minor_bytes: (plgpu.TilingTransform((8, minor_bytes)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
         functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, head_dim=d,
-                          registers_a=not interpret),
+                          buffers=buffers, registers_a=not interpret),
         out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits, d, _N), jnp.float32),
                   jax.ShapeDtypeStruct((b, hkv, num_splits, _N), jnp.float32)],
         scratch_types=[plgpu.SMEM((_N, d), jnp.bfloat16, transforms=swizzled(64)),
-                       plgpu.SMEM((2, _N), jnp.float32),
-                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # 2 buffers each; layout inference
-                       plgpu.SMEM((2, _ROWS, d), jnp.uint8),  # tiles them in 8 rows: r0 % 8 == 0
-                       plgpu.SMEM((2, 4, _TPB, _ROWS), jnp.bfloat16),
+                       plgpu.SMEM((buffers, _ROWS, d), jnp.uint8),  # layout inference tiles the
+                       plgpu.SMEM((buffers, _ROWS, d), jnp.uint8),  # code buffers in 8 rows: r0 % 8 == 0
+                       plgpu.SMEM((buffers, 4, _TPB, _ROWS), jnp.bfloat16),
                        plgpu.SMEM((2, _ROWS, d), jnp.bfloat16, transforms=swizzled(64)),
                        plgpu.SMEM((2, _N, _ROWS), jnp.bfloat16, transforms=swizzled(64)),
                        plgpu.SMEM((d, _N), jnp.float32),
                        plgpu.SMEM((_N,), jnp.float32),
-                       plgpu.Barrier(num_barriers=2),
-                       plgpu.Barrier(num_arrivals=_COPIES, num_barriers=2)],
+                       plgpu.Barrier(num_barriers=1),
+                       plgpu.Barrier(num_arrivals=_COPIES, num_barriers=buffers)],
         grid=(b, hkv, num_splits),
         grid_names=("b", "h", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    o_t, lse_h = kernel(n_hist, q_bf, q_sums, *codes, *meta)
+    o_t, lse_h = kernel(n_hist, q_bf, *codes, *meta)
     o_h = jnp.swapaxes(o_t, -1, -2)[..., :g, :]  # [B, Hkv, S, g, D]
     o_d, lse_d = _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink, window)
     o, lse = merge_splits(jnp.concatenate([o_h, o_d], axis=2),
