@@ -1,10 +1,10 @@
 """Decode attention over the mixed OSCAR cache as a Mosaic GPU (Hopper) kernel.
 
-Status: compiled and correct on the H200 (`pytest -m gpu -k mgpu`), and in Mosaic GPU
-interpret mode on CPU. Not dispatched by `attention`: on the H200 it ties the Triton
-kernel at B8 H32/8 D128 128K (0.784 vs 0.797 ms), is ~12% faster at 32K and slower at
-D = 256 (bench/results/kernels_mgpu_h200.md). ptxas gives it 255 registers (2 programs
-per SM); the unpack is ~2.2 instructions per code element (16-bit shifts).
+Status: compiled and correct on the H200 (`pytest -m gpu -k mgpu`) and in Mosaic GPU
+interpret mode on CPU. `attention.attend` ("auto") runs it for decode at D = 128 on
+sm_90, where the H200 measured it faster than the Triton kernel (B8 H32/8: 0.583 vs
+0.703 ms at 128K, 0.259 vs 0.277 ms at 32K); at D = 256 it is slower (0.237 vs 0.139 ms),
+see bench/results/kernels_mgpu_ab_h200.json.
 
 Tokens are the MMA's M dimension ("swap AB"): with g <= 8 query heads per KV
 head, the query side is the N = 8 operand, so a decode step wastes at most
@@ -16,7 +16,9 @@ TMA, and for each token slice s (token 4r + s is bits 2s..2s+1 of byte r):
   scores = scale_s * (scores - 128 Σq) + lo_s * Σq                (per token; Σq of bf16 q)
   online softmax over tokens (axis 0), per query column
   out^T [D, 8] += bf16(128 + vcode_s)^T [D, 64] @ (p ∘ vscale_s) [64, 8]
-and Σ p·lo - 128 Σ(p ∘ vscale) is kept per column. The bf16 sink and recent
+and Σ p·lo - 128 Σ(p ∘ vscale) is kept per column. The D channels of both
+products are in `channel_order(D)` (the order the packed-word unpack produces):
+q is permuted to it before the call and the output back after. The bf16 sink and recent
 ring (S0 + W tokens) are attended in XLA and merged with the history splits
 by log-sum-exp, like the Triton kernel's partials.
 
@@ -35,9 +37,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
 
 from .mixed_attention import merge_splits
 
@@ -48,16 +55,55 @@ _OFFSET = 128.0  # 0x4300 | code is the bf16 number 128 + code
 _COPIES = 6  # TMA copies per step: K codes, V codes, lo/scale of K and of V
 
 
-def _codes_bf16(packed: jax.Array, s: int) -> jax.Array:
-    """uint8 [R, D] packed bytes -> bf16 [R, D] holding 128 + (code of token slice s)."""
-    x = packed.astype(jnp.uint16)
-    return lax.bitcast_convert_type(((x >> (2 * s)) & jnp.uint16(3)) | jnp.uint16(0x4300), jnp.bfloat16)
+def channel_order(d: int) -> np.ndarray:
+    """[d] int: A-operand column a holds channel order[a] (see `_slice_tile`). Within each
+    16-channel block, a = 8k + 2t + e holds channel 4t + 2e + k."""
+    a = np.arange(d)
+    return 16 * (a // 16) + 4 * ((a % 8) // 2) + 2 * (a % 2) + (a % 16 >= 8)
+
+
+def _slice_tile(packed: jax.Array, s: int, *, interpret: bool) -> jax.Array:
+    """uint8 [R, D] packed bytes -> bf16 [R, D]: column a = 128 + code of token slice s of
+    channel channel_order(D)[a].
+
+    Compiled, each thread's 32-bit register of 4 packed channels (WGMMA_8BIT layout) gives
+    two bf16 pairs of the WGMMA layout with one shift and one and-or each
+    (`(w >> 2s + 8k) & 0x00030003 | 0x43004300`: bytes k and k + 2), which fixes the channel
+    order. The interpreter cannot run `inline_mgpu` with results, so there the same tile is
+    built with array ops.
+    """
+    r, d = packed.shape
+    if interpret:
+        x = packed.astype(jnp.uint16)
+        codes = lax.bitcast_convert_type(((x >> (2 * s)) & jnp.uint16(3)) | jnp.uint16(0x4300), jnp.bfloat16)
+        return codes.reshape(r, d // 16, 4, 2, 2).transpose(0, 1, 4, 2, 3).reshape(r, d)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
+                       return_type=plgpu.ShapeDtypeStruct((r, d), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def convert(ctx, words):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        one_i32, two_bf16 = ir.VectorType.get((1,), i32), ir.VectorType.get((2,), ir.BF16Type.get())
+        const = lambda v: arith.constant(i32, v)
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((r, d)), dtype=object)
+        for idx, reg in np.ndenumerate(words.registers):  # idx[1]: 16-channel block
+            w = llvm.extractelement(vector.bitcast(one_i32, reg), const(0))
+            for k in range(2):  # bytes k and k + 2 -> the pair in 8-column block 2 idx[1] + k
+                shift = 2 * s + 8 * k
+                t = arith.shrui(w, const(shift)) if shift else w
+                t = arith.ori(arith.andi(t, const(0x00030003)), const(0x43004300))
+                at = list(idx)
+                at[1] = 2 * idx[1] + k
+                out[tuple(at)] = vector.bitcast(two_bf16, vector.broadcast(one_i32, t))
+        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return convert(packed)
 
 
 def _kernel(n_ref, q_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             o_ref, lse_ref,
             q_smem, ck_smem, cv_smem, meta_smem, a_smem, p_smem, o_smem, lse_smem, q_bar, tile_bars,
-            *, split_rows: int, hist_rows: int, head_dim: int, buffers: int, registers_a: bool):
+            *, split_rows: int, hist_rows: int, head_dim: int, buffers: int, interpret: bool):
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("split")
     n_hist = n_ref[b]
     valid_rows = (n_hist + _TPB - 1) // _TPB
@@ -115,15 +161,17 @@ def _kernel(n_ref, q_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
         plgpu.barrier_wait(tile_bars.at[slot])
         r_nominal, r0 = tile_start(i)
         fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
-        packed_k, packed_v = ck_smem.at[slot][...], cv_smem.at[slot][...]  # read once per step
+        codes_layout = None if interpret else plgpu.Layout.WGMMA_8BIT
+        packed_k, packed_v = [plgpu.load(ref.at[slot], layout=codes_layout)  # read once per step
+                              for ref in (ck_smem, cv_smem)]
         meta = [[plgpu.load(meta_smem.at[slot, j, s], layout=row).astype(jnp.float32) for j in range(4)]
                 for s in range(_TPB)]  # per slice: lo_k, scale_k, lo_v, scale_v [64]
 
         def qk(*acc_refs):
             """The 4 slices' K products, issued back to back, waited on once."""
             for s, acc_ref in enumerate(acc_refs):
-                a_k = _codes_bf16(packed_k, s)
-                if not registers_a:  # interpreter only (A from shared memory; its MMAs are synchronous)
+                a_k = _slice_tile(packed_k, s, interpret=interpret)
+                if interpret:  # interpreter only (A from shared memory; its MMAs are synchronous)
                     a_smem.at[0][...] = a_k
                     plgpu.commit_smem()
                     a_k = a_smem.at[0]
@@ -152,7 +200,7 @@ def _kernel(n_ref, q_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
                 pv = (p * by_row(scale_v)).astype(jnp.bfloat16)
                 sums.append((p, p * by_row(lo_v) - _OFFSET * pv.astype(jnp.float32)))
                 buf = s % 2  # read by the MMA of slice s - 2, finished by the wait below
-                a_smem.at[buf][...] = _codes_bf16(packed_v, s)
+                a_smem.at[buf][...] = _slice_tile(packed_v, s, interpret=interpret)
                 p_smem.at[buf].T[...] = pv
                 plgpu.commit_smem()
                 plgpu.wgmma(acc_ref, a_smem.at[buf].T, p_smem.at[buf].T)
@@ -214,6 +262,13 @@ def supports(spec, c: int, g: int) -> bool:
             and (rows < _ROWS or rows % 8 == 0))
 
 
+def device_supported() -> bool:
+    """Whether the default device runs this kernel: an sm_90 GPU (TMA + wgmma), or the CPU
+    (Mosaic GPU interpret mode)."""
+    device = jax.devices()[0]
+    return device.platform == "cpu" or getattr(device, "compute_capability", None) == "9.0"
+
+
 def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
@@ -238,7 +293,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
                          "uniform 2-bit codes and bf16 metadata")
     q = (q_rot[:, 0].astype(jnp.float32) * softmax_scale).reshape(b, hkv, g, d)
     q8 = jnp.pad(q, ((0, 0), (0, 0), (0, _N - g), (0, 0)))
-    q_bf = q8.astype(jnp.bfloat16)
+    order = channel_order(d)  # the MMA's channel order (`_slice_tile`)
+    q_bf = q8[..., order].astype(jnp.bfloat16)
     n_hist = jnp.clip(lengths.astype(jnp.int32) - window - sink, 0, rows * _TPB)
 
     codes = [hist_codes_k, hist_codes_v]
@@ -255,14 +311,15 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     num_splits = -(-hist_rows // split_rows)
 
     swizzled = lambda minor_bytes: (plgpu.TilingTransform((8, minor_bytes)), plgpu.SwizzleTransform(128))
+    codes_tiling = (plgpu.TilingTransform((8, min(d, 128))), plgpu.SwizzleTransform(min(d, 128)))
     kernel = plgpu.kernel(
         functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, head_dim=d,
-                          buffers=buffers, registers_a=not interpret),
+                          buffers=buffers, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits, d, _N), jnp.float32),
                   jax.ShapeDtypeStruct((b, hkv, num_splits, _N), jnp.float32)],
         scratch_types=[plgpu.SMEM((_N, d), jnp.bfloat16, transforms=swizzled(64)),
-                       plgpu.SMEM((buffers, _ROWS, d), jnp.uint8),  # layout inference tiles the
-                       plgpu.SMEM((buffers, _ROWS, d), jnp.uint8),  # code buffers in 8 rows: r0 % 8 == 0
+                       plgpu.SMEM((buffers, _ROWS, d), jnp.uint8, transforms=codes_tiling),  # 8-row tiles:
+                       plgpu.SMEM((buffers, _ROWS, d), jnp.uint8, transforms=codes_tiling),  # r0 % 8 == 0
                        plgpu.SMEM((buffers, 4, _TPB, _ROWS), jnp.bfloat16),
                        plgpu.SMEM((2, _ROWS, d), jnp.bfloat16, transforms=swizzled(64)),
                        plgpu.SMEM((2, _N, _ROWS), jnp.bfloat16, transforms=swizzled(64)),
@@ -276,7 +333,7 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
     o_t, lse_h = kernel(n_hist, q_bf, *codes, *meta)
-    o_h = jnp.swapaxes(o_t, -1, -2)[..., :g, :]  # [B, Hkv, S, g, D]
+    o_h = jnp.swapaxes(o_t, -1, -2)[..., :g, np.argsort(order)]  # [B, Hkv, S, g, D]
     o_d, lse_d = _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink, window)
     o, lse = merge_splits(jnp.concatenate([o_h, o_d], axis=2),
                           jnp.concatenate([lse_h[..., :g], lse_d], axis=2))
