@@ -3,8 +3,10 @@
 `attend(q, layer_cache, layer_params, implementation=...)`:
   "xla"    the pure-jnp reference (`oscar_jax.reference`), any backend;
   "pallas" the GPU Pallas kernel (Triton lowering);
+  "pallas_mosaic_gpu" the Hopper (sm_90) decode kernel (Pallas Mosaic GPU: TMA + wgmma);
   "pallas_tpu" the TPU Pallas kernel;
-  "auto"   the best implementation for the default backend.
+  "auto"   the best implementation for the default backend, the cache and the call
+           (C queries, g query heads per KV head).
 An explicit request that cannot run raises; only "auto" chooses.
 """
 
@@ -20,34 +22,47 @@ from oscar_jax.cache import LayerParams, OscarCache, RingCache
 from oscar_jax.config import CacheSpec
 
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
-SupportsFn = Callable[[CacheSpec], bool]
+# (cache spec, C queries per call, g query heads per KV head) -> bool
+SupportsFn = Callable[[CacheSpec, int, int], bool]
+
+
+def _always(spec: CacheSpec, queries: int, group: int) -> bool:
+    return True
+
 
 # Kernel implementations register here: name -> (fn(q, cache, params, softmax_scale=...),
-# supports(spec) -> bool for the cache configurations the kernel handles).
-_IMPLEMENTATIONS: dict[str, tuple[AttendFn, SupportsFn]] = {
-    "xla": (reference.attend, lambda spec: True)}
+# supports: the calls it handles, prefer: the supported calls "auto" should give it).
+_IMPLEMENTATIONS: dict[str, tuple[AttendFn, SupportsFn, SupportsFn]] = {
+    "xla": (reference.attend, _always, _always)}
 _KNOWN = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu")
 # What "auto" tries per backend, best first.
-_AUTO_ORDER = {"gpu": ("pallas", "xla"), "tpu": ("pallas_tpu", "xla"), "cpu": ("xla",)}
+_AUTO_ORDER = {"gpu": ("pallas_mosaic_gpu", "pallas", "xla"), "tpu": ("pallas_tpu", "xla"), "cpu": ("xla",)}
 
 
-def register(name: str, fn: AttendFn, supports: SupportsFn = lambda spec: True) -> None:
-    """Make a kernel implementation available under `name` (one of the known names)."""
+def register(name: str, fn: AttendFn, supports: SupportsFn = _always, prefer: SupportsFn = _always) -> None:
+    """Make a kernel implementation available under `name` (one of the known names).
+
+    supports(spec, C, g): the calls it can run; prefer(spec, C, g): among those, the ones
+    where "auto" should pick it over the implementations after it (where it was measured
+    faster)."""
     if name not in _KNOWN:
         raise ValueError(f"implementation name {name!r}: expected one of {_KNOWN}")
-    _IMPLEMENTATIONS[name] = (fn, supports)
+    _IMPLEMENTATIONS[name] = (fn, supports, prefer)
 
 
 def available() -> tuple[str, ...]:
     return tuple(_IMPLEMENTATIONS)
 
 
-def resolve(implementation: str, spec: CacheSpec, backend: str | None = None) -> str:
-    """The implementation `attend` runs for this request, cache spec and backend."""
+def resolve(implementation: str, spec: CacheSpec, queries: int, group: int,
+            backend: str | None = None) -> str:
+    """The implementation `attend` runs for this request, cache spec, C = `queries` new
+    queries, g = `group` query heads per KV head, and backend."""
     if implementation == "auto":
         backend = backend or jax.default_backend()
         for name in _AUTO_ORDER.get(backend, ("xla",)):
-            if name in _IMPLEMENTATIONS and _IMPLEMENTATIONS[name][1](spec):
+            if name in _IMPLEMENTATIONS and all(
+                    check(spec, queries, group) for check in _IMPLEMENTATIONS[name][1:]):
                 return name
     if implementation not in _KNOWN:
         raise ValueError(f"implementation={implementation!r}: expected 'auto' or one of {_KNOWN}")
@@ -56,10 +71,11 @@ def resolve(implementation: str, spec: CacheSpec, backend: str | None = None) ->
             f"implementation={implementation!r} is not available in this build "
             f"(available: {available()}); use implementation='auto' to let oscar-jax choose"
         )
-    if not _IMPLEMENTATIONS[implementation][1](spec):
+    if not _IMPLEMENTATIONS[implementation][1](spec, queries, group):
         raise ValueError(
-            f"implementation={implementation!r} does not support this cache ({spec.quant}); "
-            f"use implementation='xla' or 'auto'"
+            f"implementation={implementation!r} does not support this call (cache {spec.quant}, "
+            f"D={spec.head_dim}, C={queries} queries, g={group} query heads per KV head) on this "
+            f"device; use implementation='xla' or 'auto'"
         )
     return implementation
 
@@ -123,7 +139,7 @@ def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
     _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
     if q.shape[1] > spec.window:
         raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call")
-    fn, _ = _IMPLEMENTATIONS[resolve(implementation, spec)]
+    fn = _IMPLEMENTATIONS[resolve(implementation, spec, q.shape[1], q.shape[2] // spec.kv_heads)][0]
     return fn(q, layer_cache, layer_params, softmax_scale=softmax_scale)
 
 
@@ -141,4 +157,14 @@ register("pallas_tpu", kernel_attend(_tpu_attention.mixed_attention))  # every C
 
 from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention  # noqa: E402
 
-register("pallas", kernel_attend(_gpu_attention.mixed_attention), supports=_gpu_attention.supports)
+register("pallas", kernel_attend(_gpu_attention.mixed_attention),
+         supports=lambda spec, queries, group: _gpu_attention.supports(spec))
+
+from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
+
+# On the H200 it beat the Triton kernel at D = 128 (B8 H32/8: 0.58 vs 0.70 ms at 128K,
+# 0.26 vs 0.28 ms at 32K) and lost at D = 256 (bench/results/kernels_mgpu_ab_h200.json).
+register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention),
+         supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
+                                                and _mgpu_attention.device_supported()),
+         prefer=lambda spec, queries, group: spec.head_dim == 128)

@@ -146,9 +146,9 @@ def test_dispatch_refuses_unsupported_specs():
     assert mixed_attention.supports(_spec(128, 128, "uniform", "bfloat16"))
     assert not mixed_attention.supports(spec4) and not mixed_attention.supports(spec_g8)
     with pytest.raises(ValueError, match="does not support"):
-        attention.resolve("pallas", spec4)
-    assert attention.resolve("auto", spec4, backend="gpu") == "xla"
-    assert attention.resolve("auto", _spec(64, 64, "uniform", "bfloat16"), backend="gpu") == "pallas"
+        attention.resolve("pallas", spec4, 1, 4)
+    assert attention.resolve("auto", spec4, 1, 4, backend="gpu") == "xla"
+    assert attention.resolve("auto", _spec(64, 64, "uniform", "bfloat16"), 1, 4, backend="gpu") == "pallas"
     with pytest.raises(ValueError, match="group size"):
         cache_lib.write_prompt(cache_lib.OscarCache.init(spec_g8).layer(0),
                                jnp.ones((1, 4, 1, 64), jnp.bfloat16), jnp.ones((1, 4, 1, 64), jnp.bfloat16),
@@ -276,6 +276,23 @@ def test_mgpu_refuses_what_it_does_not_handle():
     assert not mixed_attention_mgpu.supports(_spec(128, 128, "uniform", "bfloat16", hist=1504), 7, 4)
     with pytest.raises(ValueError, match="G=D"):
         attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, cache, params)
+
+
+def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
+    """"auto" on a GPU: the Mosaic GPU kernel for D = 128 decode (where it was measured
+    faster), the Triton kernel for extend (C > 1), other D, or a GPU that is not sm_90."""
+    spec = _spec(128, 128, "uniform", "bfloat16", hist=1504)
+    assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas_mosaic_gpu"
+    assert attention.resolve("auto", spec, 7, 4, backend="gpu") == "pallas"
+    assert attention.resolve("auto", spec, 1, 16, backend="gpu") == "pallas"
+    assert attention.resolve("auto", _spec(256, 256, "uniform", "bfloat16", hist=1504), 1, 4,
+                             backend="gpu") == "pallas"
+    assert attention.resolve("pallas_mosaic_gpu", _spec(256, 256, "uniform", "bfloat16", hist=1504),
+                             1, 4) == "pallas_mosaic_gpu"
+    with pytest.raises(ValueError, match="C=7 queries"):
+        attention.resolve("pallas_mosaic_gpu", spec, 7, 4)
+    monkeypatch.setattr(mixed_attention_mgpu, "device_supported", lambda: False)
+    assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
 
 
 def test_mgpu_lowers_for_cuda():

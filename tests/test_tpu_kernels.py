@@ -231,8 +231,8 @@ def test_attention_over_written_cache():
 
 def test_auto_picks_tpu_kernel_on_tpu_backend():
     spec = CacheSpec(1, 1, 1, 64, 64 + 256 + 64)
-    assert attention.resolve("auto", spec, backend="tpu") == "pallas_tpu"
-    assert attention.resolve("pallas_tpu", spec, backend="cpu") == "pallas_tpu"
+    assert attention.resolve("auto", spec, 1, 4, backend="tpu") == "pallas_tpu"
+    assert attention.resolve("pallas_tpu", spec, 1, 4, backend="cpu") == "pallas_tpu"
 
 
 def _walk(jaxpr, origin):
