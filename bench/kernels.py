@@ -5,9 +5,10 @@ cache (2-bit uniform codes, G = D, bf16 metadata, S0 = 64, W = 256) for the
 shapes of issue 5, beside: JAX cuDNN bf16 (`jax.nn.dot_product_attention(...,
 implementation="cudnn")`), torch SDPA bf16 with the flash backend
 (`enable_gqa=True`), XLA bf16 (`implementation="xla"`) and the XLA reference
-over the OSCAR cache (dequantise in XLA, then attend), and the Mosaic GPU
-kernel (`mixed_attention_mgpu`, not dispatched) where it applies (a failure to compile is recorded
-in the row, not raised). Also the bulk rotate-quantise-pack kernel. Timing: median
+over the OSCAR cache (dequantise in XLA, then attend). Both decode kernels are
+timed: the Triton one (`mixed_attention`) and, where it applies, the Mosaic GPU one
+(`mixed_attention_mgpu`; a failure to compile is recorded in the row, not raised);
+the ratios are those of the one `attend(implementation="auto")` runs. Also the bulk rotate-quantise-pack kernel. Timing: median
 of >= 50 repetitions after warm-up, device-synchronised; each timed group runs the
 op over enough distinct input copies (>= 3 x L2 in total) that no copy is served
 from L2, and the group time is divided by the number of copies. GB/s counts the bytes each op must read.
@@ -163,6 +164,12 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
             row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    # What attend(..., implementation="auto") runs for this decode call on this GPU.
+    row["auto"] = attention.resolve("auto", cache.spec, 1, shape.q_heads // shape.kv_heads, backend="gpu")
+    auto_key = "oscar_mgpu_ms" if row["auto"] == "pallas_mosaic_gpu" else "oscar_ms"
+    if auto_key in row:
+        row["auto_ms"] = row[auto_key]
+        row["auto_GBps"] = oscar_nbytes / row[auto_key] * 1e-6
     if not baselines:
         return row
     row["xla_dequant_ms"] = time_group(
@@ -198,8 +205,9 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
     for base in ("jax_cudnn", "torch_flash", "jax_xla"):
         if f"{base}_ms" in row:
             row[f"speedup_vs_{base}"] = row[f"{base}_ms"] / row["oscar_ms"]
-            if "oscar_mgpu_ms" in row:
-                row[f"mgpu_speedup_vs_{base}"] = row[f"{base}_ms"] / row["oscar_mgpu_ms"]
+            for prefix, key in (("mgpu_", "oscar_mgpu_ms"), ("auto_", "auto_ms")):
+                if key in row:
+                    row[f"{prefix}speedup_vs_{base}"] = row[f"{base}_ms"] / row[key]
     row["speedup_vs_xla_dequant"] = row["xla_dequant_ms"] / row["oscar_ms"]
     return row
 
@@ -255,18 +263,19 @@ def tune_write(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> list[dict]:
 def markdown(result: dict) -> str:
     lines = [f"Decode attention, C = 1, {result['device']}, jax {result['jax']}, "
              f"torch {result.get('torch', 'n/a')}; `{result['command']}`", "",
-             "| shape | bpe | OSCAR ms | OSCAR GB/s | cuDNN ms | torch flash ms | XLA bf16 ms | "
-             "XLA dequant ms | x cuDNN | x torch | x XLA dequant | Mosaic GPU draft ms | its x torch |",
+             "OSCAR = what `attend(implementation=\"auto\")` runs (kernel column); "
+             "Triton and Mosaic GPU = each kernel's own time.", "",
+             "| shape | bpe | kernel | OSCAR ms | OSCAR GB/s | x cuDNN | x torch flash | "
+             "cuDNN ms | torch flash ms | XLA bf16 ms | XLA dequant ms | Triton ms | Mosaic GPU ms |",
              "|" + "---|" * 13]
     f = lambda r, k: f"{r[k]:.3f}" if k in r else "n/a"
     for r in result["attention"]:
-        lines.append(f"| {r['shape']['name']} | {r['bits_per_element']:.2f} | {f(r, 'oscar_ms')} | "
-                     f"{r['oscar_GBps']:.0f} | {f(r, 'jax_cudnn_ms')} | {f(r, 'torch_flash_ms')} | "
-                     f"{f(r, 'jax_xla_ms')} | {f(r, 'xla_dequant_ms')} | "
-                     f"{f(r, 'speedup_vs_jax_cudnn')} | {f(r, 'speedup_vs_torch_flash')} | "
-                     f"{f(r, 'speedup_vs_xla_dequant')} | "
-                     f"{f(r, 'oscar_mgpu_ms') if 'oscar_mgpu_error' not in r else 'failed'} | "
-                     f"{f(r, 'mgpu_speedup_vs_torch_flash')} |")
+        lines.append(f"| {r['shape']['name']} | {r['bits_per_element']:.2f} | {r['auto']} | "
+                     f"{f(r, 'auto_ms')} | {r.get('auto_GBps', float('nan')):.0f} | "
+                     f"{f(r, 'auto_speedup_vs_jax_cudnn')} | {f(r, 'auto_speedup_vs_torch_flash')} | "
+                     f"{f(r, 'jax_cudnn_ms')} | {f(r, 'torch_flash_ms')} | {f(r, 'jax_xla_ms')} | "
+                     f"{f(r, 'xla_dequant_ms')} | {f(r, 'oscar_ms')} | "
+                     f"{f(r, 'oscar_mgpu_ms') if 'oscar_mgpu_error' not in r else 'failed'} |")
     c = result["ceiling"]
     w = result["write"]
     lines += ["", f"Read ceiling: XLA sum {c['xla_sum_read_GBps']:.0f} GB/s; copy (read + write) "
