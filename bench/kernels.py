@@ -8,10 +8,11 @@ implementation="cudnn")`), torch SDPA bf16 with the flash backend
 over the OSCAR cache (dequantise in XLA, then attend). Both decode kernels are
 timed: the Triton one (`mixed_attention`) and, where it applies, the Mosaic GPU one
 (`mixed_attention_mgpu`; a failure to compile is recorded in the row, not raised);
-the ratios are those of the one `attend(implementation="auto")` runs. Also the bulk rotate-quantise-pack kernel. Timing: median
-of >= 50 repetitions after warm-up, device-synchronised; each timed group runs the
-op over enough distinct input copies (>= 3 x L2 in total) that no copy is served
-from L2, and the group time is divided by the number of copies. GB/s counts the bytes each op must read.
+the ratios are those of the one `attend(implementation="auto")` runs. Also the bulk
+rotate-quantise-pack kernel. Timing: median of >= 50 repetitions after warm-up,
+device-synchronised; each timed group runs the op over enough distinct input copies
+(>= 3 x L2 in total) that no copy is served from L2, and the group time is divided by
+the number of copies. GB/s counts the bytes each op must read.
 
 Run on a GPU:  python bench/kernels.py --tune --shapes 2,0,1,3,4,5,6 --out bench/results/kernels_h200.json
 (--tune first sweeps BlockSizes on the first shape and uses the fastest for all.)

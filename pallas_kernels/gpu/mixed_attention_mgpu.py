@@ -119,8 +119,8 @@ def _kernel(n_ref, q_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
 
     def column_sums(acc_ref):
         """Σ_d q[c, d] of the bf16 MMA operand, as a [64, 8] tile (the same in every row): an MMA
-        of a ones tile with q. (A vector loaded with the column layout came out permuted on the
-        H200, so the sums are made in the tile layout the scores already have.)"""
+        of a ones tile with q. (An 8-vector loaded with the column layout gave every score a
+        per-column offset on the H200, so the sums are made in the scores' own tile layout.)"""
         a_smem.at[0][...] = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 1.0, jnp.bfloat16),
                                               plgpu.Layout.WGMMA)
         plgpu.commit_smem()
