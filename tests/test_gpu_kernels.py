@@ -340,6 +340,23 @@ def test_mgpu_attention_on_gpu(case):
     test_mgpu_attention_matches_reference(case, 9)
 
 
+@pytest.mark.gpu
+@gpu
+def test_auto_attend_on_gpu_runs_the_preferred_kernel():
+    """attend(implementation="auto") at D = 128 decode: the Mosaic GPU kernel on sm_90 (the
+    Triton one elsewhere), through the same entry point the models use, against the reference."""
+    spec = _spec(128, 128, "uniform", "bfloat16", sink=64, window=256, hist=3008)
+    hopper = jax.devices()[0].compute_capability == "9.0"
+    assert attention.resolve("auto", spec, 1, 4) == ("pallas_mosaic_gpu" if hopper else "pallas")
+    rng = np.random.default_rng(11)
+    q, cache, params = _random_case(rng, spec, 4, 1, np.array([1, 64 + 256 + 1, 1700, spec.max_len], np.int32))
+    o, lse = _attend(q, cache, params, implementation="auto")
+    o_ref, lse_ref = _reference(q, cache, params)
+    for row in range(spec.batch):
+        assert float(jnp.linalg.norm(o[row] - o_ref[row]) / jnp.linalg.norm(o_ref[row])) <= 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=2e-2, rtol=5e-3)
+
+
 def _decision_margin(x, rot, lengths, cache, spec):
     """|distance| of each history element's position u = (x·R - lo)/scale (float64, from
     `cache`'s metadata) to the nearest decision boundary of the codebook, in units of
