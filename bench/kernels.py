@@ -9,7 +9,8 @@ over the OSCAR cache (dequantise in XLA, then attend). Both decode kernels are
 timed: the Triton one (`mixed_attention`) and, where it applies, the Mosaic GPU one
 (`mixed_attention_mgpu`; a failure to compile is recorded in the row, not raised);
 the ratios are those of the one `attend(implementation="auto")` runs. Also the bulk
-rotate-quantise-pack kernel. Timing: median of >= 50 repetitions after warm-up,
+rotate-quantise-pack kernel, and `write_prompt` of a layer through XLA and through
+that kernel. Timing: median of >= 50 repetitions after warm-up,
 device-synchronised; each timed group runs the op over enough distinct input copies
 (>= 3 x L2 in total) that no copy is served from L2, and the group time is divided by
 the number of copies. GB/s counts the bytes each op must read.
@@ -224,6 +225,28 @@ def bench_write(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> dict:
     return {"shape": [batch, seq, kv_heads, d], "ms": t * 1e3, "bytes": nbytes, "GBps": nbytes / t / 1e9}
 
 
+def bench_write_prompt(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> dict:
+    """`write_prompt` of one whole layer (K and V [B, T, Hkv, D] bf16, full-length rows)
+    through XLA and through the bulk kernel: what `write_prompt`'s "auto" chooses between.
+    bytes = K and V read + the cache's arrays written."""
+    spec = CacheSpec(1, batch, kv_heads, d, seq, 64, 256, QuantConfig(2))
+    rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0], jnp.float32)
+    params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=kv_heads).layer(0)
+    empty = cache_lib.OscarCache.init(spec).layer(0)
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    x_shape = (batch, seq, kv_heads, d)
+    copies = [(empty, jax.random.normal(jax.random.key(2 * i), x_shape, jnp.bfloat16),
+               jax.random.normal(jax.random.key(2 * i + 1), x_shape, jnp.bfloat16), lengths, params)
+              for i in range(2)]
+    nbytes = 2 * batch * seq * kv_heads * d * 2 + cache_lib.nbytes(empty)
+    row = {"shape": list(x_shape), "bytes": nbytes}
+    for impl in ("xla", "pallas"):
+        write = functools.partial(cache_lib.write_prompt, implementation=impl)
+        t = time_group(unrolled(write), copies, reps)
+        row[f"{impl}_ms"], row[f"{impl}_GBps"] = t * 1e3, nbytes / t / 1e9
+    return row
+
+
 def tune(shape: Shape, reps: int) -> list[dict]:
     """Kernel-only time of mixed_attention over a grid of BlockSizes for one shape, fastest first."""
     cache, params, _, _ = build_oscar(shape, jax.random.key(0))
@@ -283,6 +306,11 @@ def markdown(result: dict) -> str:
               f"{c['copy_read_write_GBps']:.0f} GB/s.",
               f"Bulk rotate-quantise-pack {w['shape']}: {w['ms']:.3f} ms, {w['GBps']:.0f} GB/s "
               f"({100 * w['GBps'] / c['copy_read_write_GBps']:.0f}% of the copy bandwidth)."]
+    if "write_prompt" in result:
+        wp = result["write_prompt"]
+        lines.append(f"write_prompt of one layer {wp['shape']} (K and V): XLA {wp['xla_ms']:.3f} ms "
+                     f"({wp['xla_GBps']:.0f} GB/s), bulk kernel {wp['pallas_ms']:.3f} ms "
+                     f"({wp['pallas_GBps']:.0f} GB/s).")
     return "\n".join(lines)
 
 
@@ -315,6 +343,7 @@ def main(argv=None):
     result["block_sizes"] = dataclasses.asdict(blocks) if blocks else "per shape: BlockSizes.default"
     result["ceiling"] = read_ceiling(args.reps)
     result["write"] = bench_write(args.reps)
+    result["write_prompt"] = bench_write_prompt(args.reps)
     result["attention"] = []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for shape in shapes:

@@ -346,9 +346,9 @@ def _write_implementation(implementation: str, spec: CacheSpec) -> str:
 
     if implementation == "auto":
         # TPU: the Mosaic bulk kernel (interpret-verified, like the TPU attention).
-        # GPU: the Triton bulk kernel passes in interpret mode but its H200 run differs
-        # from the XLA path on 0.7-3% of code bytes (bench/results/kernels_h200.md);
-        # until that is diagnosed "auto" keeps the verified XLA path there.
+        # GPU: the Triton bulk kernel agrees with the XLA path on the H200 (the old
+        # mismatch was XLA dropping bf16 roundings, docs/gpu_kernels.md), but "auto" keeps
+        # XLA until the kernel is measured faster than XLA's write there (bench/kernels.py).
         return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
     if implementation not in _WRITE_IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: expected 'auto' or one of "
