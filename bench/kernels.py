@@ -107,20 +107,27 @@ def unrolled(op):
     return run
 
 
-def build_oscar(shape: Shape, key, blocks=None):
-    # History capacity >= seq + 1 - S0 - W tokens, rounded to 32 (packed rows a multiple of 8,
-    # which the Mosaic GPU kernel's TMA of 16-byte metadata rows needs).
-    spec = CacheSpec(1, shape.batch, shape.kv_heads, shape.head_dim,
-                     64 + 256 + -(-(shape.seq + 1 - 64 - 256) // 32) * 32, 64, 256, QuantConfig(2))
-    d = shape.head_dim
+def empty_layer(batch: int, seq: int, kv_heads: int, d: int):
+    """An empty OSCAR cache layer for `seq` tokens (S0 = 64, W = 256, 2-bit, G = D) and its
+    LayerParams (one random rotation for K and V). History capacity >= seq + 1 - S0 - W
+    tokens, rounded to 32 (packed rows a multiple of 8, which the Mosaic GPU kernel's TMA
+    of 16-byte metadata rows needs)."""
+    spec = CacheSpec(1, batch, kv_heads, d, 64 + 256 + -(-(seq + 1 - 64 - 256) // 32) * 32, 64, 256,
+                     QuantConfig(2))
     rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0], jnp.float32)
-    params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=shape.kv_heads).layer(0)
+    params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=kv_heads).layer(0)
+    return cache_lib.OscarCache.init(spec).layer(0), params
+
+
+def build_oscar(shape: Shape, key, blocks=None):
+    empty, params = empty_layer(shape.batch, shape.seq, shape.kv_heads, shape.head_dim)
+    d = shape.head_dim
     kk, kv = jax.random.split(key)
     x_shape = (shape.batch, shape.seq, shape.kv_heads, d)
     k = jax.random.normal(kk, x_shape, jnp.bfloat16)
     v = jax.random.normal(kv, x_shape, jnp.bfloat16)
     write = jax.jit(functools.partial(cache_lib.write_prompt, implementation="pallas"))
-    cache = write(cache_lib.OscarCache.init(spec).layer(0), k, v,
+    cache = write(empty, k, v,
                   jnp.full((shape.batch,), shape.seq, jnp.int32), params)
     return cache, params, k, v
 
@@ -229,10 +236,7 @@ def bench_write_prompt(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> dict
     """`write_prompt` of one whole layer (K and V [B, T, Hkv, D] bf16, full-length rows)
     through XLA and through the bulk kernel: what `write_prompt`'s "auto" chooses between.
     bytes = K and V read + the cache's arrays written."""
-    spec = CacheSpec(1, batch, kv_heads, d, seq, 64, 256, QuantConfig(2))
-    rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0], jnp.float32)
-    params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=kv_heads).layer(0)
-    empty = cache_lib.OscarCache.init(spec).layer(0)
+    empty, params = empty_layer(batch, seq, kv_heads, d)
     lengths = jnp.full((batch,), seq, jnp.int32)
     x_shape = (batch, seq, kv_heads, d)
     copies = [(empty, jax.random.normal(jax.random.key(2 * i), x_shape, jnp.bfloat16),
