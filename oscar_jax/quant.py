@@ -26,7 +26,8 @@ from oscar_jax.pallas_kernels import layout
 @dataclasses.dataclass(frozen=True)
 class Quantized:
     """codes: uint8 [..., T, D]; lo, scale: scale_dtype [..., T, D/G] (unpacked),
-    or the packed layout of `pallas_kernels.layout` after `pack`."""
+    or the packed layout of `pallas_kernels.layout` after `pack` (codes [..., T/tpb, D],
+    or [..., D, T/tpb] channel-major)."""
 
     codes: jax.Array
     lo: jax.Array
@@ -97,19 +98,20 @@ def dequantize(q: Quantized, cfg: QuantConfig, dtype=jnp.float32) -> jax.Array:
     return out.reshape(q.codes.shape).astype(dtype)
 
 
-def pack(q: Quantized, bits: int) -> Quantized:
-    """Unpacked [..., T, *] -> packed layout: codes [..., T/tpb, D], meta [..., n_groups, tpb, T/tpb]."""
+def pack(q: Quantized, bits: int, *, channel_major: bool = False) -> Quantized:
+    """Unpacked [..., T, *] -> packed layout: codes [..., T/tpb, D] (or [..., D, T/tpb]
+    when channel_major, as the V history), meta [..., n_groups, tpb, T/tpb]."""
     return Quantized(
-        codes=layout.pack_codes(q.codes, bits),
+        codes=layout.pack_codes(q.codes, bits, channel_major=channel_major),
         lo=layout.pack_meta(q.lo, bits),
         scale=layout.pack_meta(q.scale, bits),
     )
 
 
-def unpack(q: Quantized, bits: int) -> Quantized:
+def unpack(q: Quantized, bits: int, *, channel_major: bool = False) -> Quantized:
     """Inverse of `pack`."""
     return Quantized(
-        codes=layout.unpack_codes(q.codes, bits),
+        codes=layout.unpack_codes(q.codes, bits, channel_major=channel_major),
         lo=layout.unpack_meta(q.lo, bits),
         scale=layout.unpack_meta(q.scale, bits),
     )

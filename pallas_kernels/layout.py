@@ -1,10 +1,16 @@
 """The packed layout of the quantised KV history (DESIGN §3), in plain jnp.
 
-Codes are packed along TOKENS, channels stay on the last (lane) axis:
-with `tpb = 8 // bits` tokens per byte, byte (i, c) holds channel c of tokens
-tpb*i .. tpb*i + tpb - 1, token tpb*i + s in bits [bits*s, bits*(s+1)).
-Unpacking one byte row therefore yields `tpb` token slices of shape [R, D]
+Codes are packed along TOKENS: with `tpb = 8 // bits` tokens per byte, a byte
+holds one channel c of tokens tpb*i .. tpb*i + tpb - 1, token tpb*i + s in
+bits [bits*s, bits*(s+1)). Unpacking therefore yields `tpb` token slices
 (slice s = tokens tpb*i + s), each a plain shift-and-mask of the packed tile.
+
+Keys are token-major, [..., T/tpb, D]: byte (i, c), channels on the last
+(lane) axis. Values are CHANNEL-MAJOR, [..., D, T/tpb]: byte (c, i), exactly
+the swapaxes of the key layout (`CHANNEL_MAJOR`). Int8 wgmma takes both
+operands K-major only, and for V^T·P the reduction axis is tokens, so a
+32-bit word must hold 16 tokens of ONE channel: `(w >> 2s) & 0x03030303` then
+yields 4 int8 codes of one channel, one A-operand register.
 
 Per-token, per-group metadata (lo, scale) is stored as [..., n_groups, tpb, R]
 so that index [g, s, i] is token tpb*i + s: each unpacked slice reads its
@@ -20,6 +26,9 @@ import jax.numpy as jnp
 
 _VALID_BITS = (2, 4, 8)
 
+# Whether the packed codes of the K / V history are channel-major ([..., D, T/tpb]).
+CHANNEL_MAJOR = {"k": False, "v": True}
+
 
 def tokens_per_byte(bits: int) -> int:
     if bits not in _VALID_BITS:
@@ -27,8 +36,9 @@ def tokens_per_byte(bits: int) -> int:
     return 8 // bits
 
 
-def pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
-    """codes: uint8 [..., T, D] with values < 2**bits -> packed uint8 [..., T/tpb, D]."""
+def pack_codes(codes: jnp.ndarray, bits: int, *, channel_major: bool = False) -> jnp.ndarray:
+    """codes: uint8 [..., T, D] with values < 2**bits -> packed uint8 [..., T/tpb, D],
+    or [..., D, T/tpb] when channel_major."""
     tpb = tokens_per_byte(bits)
     *lead, t, d = codes.shape
     if t % tpb:
@@ -37,19 +47,23 @@ def pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
     packed = jnp.zeros((*lead, t // tpb, d), jnp.uint8)
     for s in range(tpb):
         packed = packed | (slices[..., s, :] << (bits * s)).astype(jnp.uint8)
-    return packed
+    return jnp.swapaxes(packed, -1, -2) if channel_major else packed
 
 
 def unpack_slices(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
-    """packed uint8 [..., R, D] -> codes uint8 [tpb, ..., R, D]; slice s = tokens tpb*i+s."""
+    """packed uint8 [..., R, D] (or [..., D, R]) -> codes uint8 [tpb, ...] of the same
+    trailing shape; slice s = tokens tpb*i+s."""
     tpb = tokens_per_byte(bits)
     mask = jnp.uint8((1 << bits) - 1)
     return jnp.stack([(packed >> (bits * s)) & mask for s in range(tpb)])
 
 
-def unpack_codes(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
-    """packed uint8 [..., R, D] -> codes uint8 [..., R*tpb, D] in token order."""
+def unpack_codes(packed: jnp.ndarray, bits: int, *, channel_major: bool = False) -> jnp.ndarray:
+    """packed uint8 [..., R, D] (or [..., D, R] when channel_major) -> codes uint8
+    [..., R*tpb, D] in token order."""
     tpb = tokens_per_byte(bits)
+    if channel_major:
+        packed = jnp.swapaxes(packed, -1, -2)
     *lead, r, d = packed.shape
     slices = unpack_slices(packed, bits)  # [tpb, ..., R, D]
     return jnp.moveaxis(slices, 0, -2).reshape(*lead, r * tpb, d)

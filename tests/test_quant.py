@@ -53,14 +53,16 @@ def test_codes_in_range_and_nearest_representable(case):
     np.testing.assert_array_less(np.abs(xhat - xc) - best, tol)
 
 
-@given(cases())
-def test_pack_unpack_bijective(case):
+@given(cases(), st.booleans())
+def test_pack_unpack_bijective(case, channel_major):
     cfg, x, _ = case
     rng = np.random.default_rng(x.size)
     codes = rng.integers(0, cfg.num_levels, x.shape, dtype=np.uint8)
-    packed = layout.pack_codes(jnp.asarray(codes), cfg.bits)
-    assert packed.shape == (*x.shape[:-2], x.shape[-2] // cfg.tokens_per_byte, x.shape[-1])
-    np.testing.assert_array_equal(layout.unpack_codes(packed, cfg.bits), codes)
+    packed = layout.pack_codes(jnp.asarray(codes), cfg.bits, channel_major=channel_major)
+    rows, d = x.shape[-2] // cfg.tokens_per_byte, x.shape[-1]
+    assert packed.shape == (*x.shape[:-2], *((d, rows) if channel_major else (rows, d)))
+    np.testing.assert_array_equal(
+        layout.unpack_codes(packed, cfg.bits, channel_major=channel_major), codes)
     meta = jnp.asarray(x[..., :4])
     np.testing.assert_array_equal(layout.unpack_meta(layout.pack_meta(meta, cfg.bits), cfg.bits), meta)
 
@@ -75,6 +77,18 @@ def test_layout_bit_positions_by_hand():
     meta = jnp.arange(8.0).reshape(8, 1)  # token t has value t
     pm = np.asarray(layout.pack_meta(meta, 2))  # [1, 4, 2]
     assert pm[0, 1].tolist() == [1.0, 5.0] and pm[0, 3].tolist() == [3.0, 7.0]
+
+
+def test_channel_major_layout_by_hand():
+    """Channel-major (the V history): byte (c, i) holds token 4i+s of channel c in bits
+    2s..2s+1, so one 32-bit word holds 16 tokens of one channel."""
+    codes = np.array([[1, 0], [2, 1], [3, 2], [0, 3], [3, 3], [3, 2], [0, 1], [1, 0]], np.uint8)  # [T=8, D=2]
+    packed = np.asarray(layout.pack_codes(jnp.asarray(codes), 2, channel_major=True))  # [D=2, R=2]
+    assert packed.tolist() == [[1 | 2 << 2 | 3 << 4 | 0 << 6, 3 | 3 << 2 | 0 << 4 | 1 << 6],
+                               [0 | 1 << 2 | 2 << 4 | 3 << 6, 3 | 2 << 2 | 1 << 4 | 0 << 6]]
+    slices = np.asarray(layout.unpack_slices(jnp.asarray(packed), 2))  # [4, D=2, R=2]
+    assert slices[1].tolist() == [[2, 3], [1, 2]]  # tokens 1 and 5 of each channel
+    assert layout.CHANNEL_MAJOR == {"k": False, "v": True}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
