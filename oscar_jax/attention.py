@@ -85,7 +85,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendF
 
     The kernel sees rotated queries and returns outputs in the R_V basis:
       kernel(q_rot f32 [B, C, Hq, D], sink_k, sink_v bf16 [B, Hkv, S0, D],
-             hist_codes_k, hist_codes_v u8 [B, Hkv, T_hist/tpb, D],
+             hist_codes_k u8 [B, Hkv, T_hist/tpb, D], hist_codes_v u8 [B, Hkv, D, T_hist/tpb]
+             (channel-major, `layout.CHANNEL_MAJOR`),
              hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v [B, Hkv, D/G, tpb, T_hist/tpb],
              recent_k, recent_v bf16 [B, Hkv, W, D], lengths int32 [B], *,
              sink, window, bits, levels, softmax_scale, interpret)

@@ -109,7 +109,8 @@ class OscarCache:
     """Layer-stacked mixed cache. Shapes for the stacked form (drop L per layer):
 
     sink_k, sink_v:          bf16  [L, B, Hkv, S0, D]
-    hist_codes_k, _v:        uint8 [L, B, Hkv, T_hist/tpb, D]   (layout.pack_codes)
+    hist_codes_k:            uint8 [L, B, Hkv, T_hist/tpb, D]   (layout.pack_codes)
+    hist_codes_v:            uint8 [L, B, Hkv, D, T_hist/tpb]   (channel-major, layout.CHANNEL_MAJOR)
     hist_lo_k, hist_scale_k: meta  [L, B, Hkv, D/G, tpb, T_hist/tpb] (layout.pack_meta)
     recent_k, recent_v:      bf16  [L, B, Hkv, W, D]
     lengths:                 int32 [L, B]  tokens held per sequence (same in every layer)
@@ -138,10 +139,10 @@ class OscarCache:
         rows = spec.hist_capacity // tpb
         bf = lambda n: jnp.zeros((*lb, n, spec.head_dim), STORE_DTYPE)
         meta = lambda: jnp.zeros((*lb, spec.num_groups, tpb, rows), spec.quant.jnp_scale_dtype)
-        codes = lambda: jnp.zeros((*lb, rows, spec.head_dim), jnp.uint8)
         return cls(
             sink_k=bf(spec.sink), sink_v=bf(spec.sink),
-            hist_codes_k=codes(), hist_codes_v=codes(),
+            hist_codes_k=jnp.zeros((*lb, rows, spec.head_dim), jnp.uint8),
+            hist_codes_v=jnp.zeros((*lb, spec.head_dim, rows), jnp.uint8),
             hist_lo_k=meta(), hist_scale_k=meta(), hist_lo_v=meta(), hist_scale_v=meta(),
             recent_k=bf(spec.window), recent_v=bf(spec.window),
             lengths=jnp.zeros(lb[:2], jnp.int32), overflow=jnp.zeros(lb[:2], bool),
@@ -159,12 +160,19 @@ class OscarCache:
         return jax.tree.map(lambda s, x: s.at[i].set(x), self, layer_cache)
 
     def hist(self, which: str) -> quant.Quantized:
-        """The packed history of 'k' or 'v' as a `Quantized` (packed layout)."""
+        """The packed history of 'k' or 'v' as a `Quantized` (packed layout; the V codes
+        are channel-major, `layout.CHANNEL_MAJOR`)."""
         return quant.Quantized(
             codes=getattr(self, f"hist_codes_{which}"),
             lo=getattr(self, f"hist_lo_{which}"),
             scale=getattr(self, f"hist_scale_{which}"),
         )
+
+    def dequantized_hist(self, which: str) -> jax.Array:
+        """The history of 'k' or 'v' dequantised: float32 [.., B, Hkv, T_hist, D] (rotated basis)."""
+        bits = self.spec.quant.bits
+        unpacked = quant.unpack(self.hist(which), bits, channel_major=layout.CHANNEL_MAJOR[which])
+        return quant.dequantize(unpacked, self.spec.quant)
 
 
 @jax.tree_util.register_dataclass
@@ -241,20 +249,23 @@ def _check_kv(name: str, x: jax.Array, b: int, h: int, d: int) -> None:
 # Writes into the quantised history
 
 
-def _write_history(codes, lo, scale, new: quant.Quantized, start, count, bits: int):
+def _write_history(codes, lo, scale, new: quant.Quantized, start, count, bits: int,
+                   channel_major: bool):
     """Write token i < count of `new` at history index start + i, where that is >= 0.
 
-    One sequence: codes uint8 [H, R, D]; lo/scale [H, n_groups, tpb, R]; new is
-    unpacked (codes [H, C, D], lo/scale [H, C, n_groups]); start (may be negative)
-    and count are int32 scalars. Reads and rewrites a static window of rows, so
-    tokens that share a byte with older ones are merged exactly.
+    One sequence: codes uint8 [H, R, D] (or [H, D, R] when channel_major); lo/scale
+    [H, n_groups, tpb, R]; new is unpacked (codes [H, C, D], lo/scale [H, C, n_groups]);
+    start (may be negative) and count are int32 scalars. Reads and rewrites a static
+    window of byte rows (columns when channel_major), so tokens that share a byte with
+    older ones are merged exactly.
     """
     tpb = 8 // bits
-    rows = codes.shape[-2]
+    row_axis = -1 if channel_major else -2
+    rows = codes.shape[row_axis]
     c = new.codes.shape[-2]
     win = min(rows, c // tpb + 2)
     r0 = jnp.clip(jnp.maximum(start, 0) // tpb, 0, rows - win)
-    old_codes = jax.lax.dynamic_slice_in_dim(codes, r0, win, axis=-2)
+    old_codes = jax.lax.dynamic_slice_in_dim(codes, r0, win, axis=row_axis)
     old_lo = jax.lax.dynamic_slice_in_dim(lo, r0, win, axis=-1)
     old_scale = jax.lax.dynamic_slice_in_dim(scale, r0, win, axis=-1)
     t = r0 * tpb + jnp.arange(win * tpb)  # history index of each token in the window
@@ -268,10 +279,11 @@ def _write_history(codes, lo, scale, new: quant.Quantized, start, count, bits: i
         shape[axis] = -1
         return jnp.where(take.reshape(shape), picked, old_tokens)
 
-    m_codes = merge(layout.unpack_codes(old_codes, bits), new.codes, -2)
+    m_codes = merge(layout.unpack_codes(old_codes, bits, channel_major=channel_major), new.codes, -2)
     m_lo = merge(layout.unpack_meta(old_lo, bits), new.lo, -2)
     m_scale = merge(layout.unpack_meta(old_scale, bits), new.scale, -2)
-    codes = jax.lax.dynamic_update_slice_in_dim(codes, layout.pack_codes(m_codes, bits), r0, axis=-2)
+    codes = jax.lax.dynamic_update_slice_in_dim(
+        codes, layout.pack_codes(m_codes, bits, channel_major=channel_major), r0, axis=row_axis)
     lo = jax.lax.dynamic_update_slice_in_dim(lo, layout.pack_meta(m_lo, bits), r0, axis=-1)
     scale = jax.lax.dynamic_update_slice_in_dim(scale, layout.pack_meta(m_scale, bits), r0, axis=-1)
     return codes, lo, scale
@@ -319,7 +331,8 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         # New token i evicts history index n + i - W - S0 (kept where >= 0).
         start = n - w - s0
         count = jnp.where(ok, c, 0)
-        codes, lo, scale = jax.vmap(functools.partial(_write_history, bits=bits))(
+        write = functools.partial(_write_history, bits=bits, channel_major=layout.CHANNEL_MAJOR[which])
+        codes, lo, scale = jax.vmap(write)(
             getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
             getattr(cache, f"hist_scale_{which}"), q, start, count)
         in_sink = (pos < s0) & ok[:, None]
@@ -360,9 +373,9 @@ def _write_implementation(implementation: str, spec: CacheSpec) -> str:
 
 
 def _kernel_quantize_pack(impl: str, x, rot, clip, spec: CacheSpec, start: int,
-                          count: int) -> quant.Quantized:
+                          count: int, channel_major: bool) -> quant.Quantized:
     """A bulk kernel ("pallas" GPU, "pallas_tpu" TPU) on tokens [start, start + count)
-    of x [B, T, H, D] (zeros past T) -> packed Quantized."""
+    of x [B, T, H, D] (zeros past T) -> packed Quantized (channel-major codes if asked)."""
     from oscar_jax.config import LLOYD_MAX_SPAN
 
     cfg = spec.quant
@@ -374,7 +387,7 @@ def _kernel_quantize_pack(impl: str, x, rot, clip, spec: CacheSpec, start: int,
         codes, lo, scale = quantize_pack.quantize_pack(
             x.astype(STORE_DTYPE), rot, clip, bits=cfg.bits, levels=cfg.levels,
             group_size=spec.group_size, span=span, scale_dtype=cfg.jnp_scale_dtype,
-            start=start, count=count, interpret=interpret)
+            start=start, count=count, channel_major=channel_major, interpret=interpret)
     else:
         from oscar_jax.pallas_kernels.tpu import bulk_write
 
@@ -383,7 +396,7 @@ def _kernel_quantize_pack(impl: str, x, rot, clip, spec: CacheSpec, start: int,
         codes, lo, scale = bulk_write.bulk_write(
             xs, rot, clip, bits=cfg.bits, group_size=cfg.group_size, levels=cfg.levels,
             codebook=cfg.codebook, lloyd_max_span=span, scale_dtype=cfg.scale_dtype,
-            interpret=interpret)
+            channel_major=channel_major, interpret=interpret)
     return quant.Quantized(codes=codes, lo=lo, scale=scale)
 
 
@@ -437,14 +450,16 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
             ring = jnp.take_along_axis(x_rot, jnp.maximum(ring_pos, 0)[:, None, :, None], axis=2)
         ring = jnp.where((ring_pos >= 0)[:, None, :, None], ring, 0).astype(STORE_DTYPE)
         hist = cache.hist(which)
+        channel_major = layout.CHANNEL_MAJOR[which]
         if n_hist:
             if impl != "xla":
-                q = _kernel_quantize_pack(impl, x, rot, clip, spec, s0, n_hist)
+                q = _kernel_quantize_pack(impl, x, rot, clip, spec, s0, n_hist, channel_major)
             else:
                 q = quant.pack(quant.quantize(fit(x_rot, s0, n_hist).astype(STORE_DTYPE),
-                                              spec.quant, clip), bits)
+                                              spec.quant, clip), bits, channel_major=channel_major)
             hist = quant.Quantized(
-                codes=jax.lax.dynamic_update_slice_in_dim(hist.codes, q.codes, 0, axis=-2),
+                codes=jax.lax.dynamic_update_slice_in_dim(hist.codes, q.codes, 0,
+                                                          axis=-1 if channel_major else -2),
                 lo=jax.lax.dynamic_update_slice_in_dim(hist.lo, q.lo, 0, axis=-1),
                 scale=jax.lax.dynamic_update_slice_in_dim(hist.scale, q.scale, 0, axis=-1))
         return {f"sink_{which}": sink, f"recent_{which}": ring, f"hist_codes_{which}": hist.codes,
@@ -465,7 +480,7 @@ def dense_view(cache: OscarCache) -> tuple[jax.Array, jax.Array, jax.Array]:
     s0, w = spec.sink, spec.window
 
     def one(which):
-        hist = quant.dequantize(quant.unpack(cache.hist(which), spec.quant.bits), spec.quant)
+        hist = cache.dequantized_hist(which)
         sink = getattr(cache, f"sink_{which}").astype(jnp.float32)
         dense = jnp.concatenate(
             [sink, hist, jnp.zeros(sink.shape[:2] + (w, spec.head_dim), jnp.float32)], axis=2)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from oscar_jax import quant
 from oscar_jax.cache import LayerParams, OscarCache, RingCache, ring_positions, ring_slot_positions
 
 _HI = jax.lax.Precision.HIGHEST
@@ -91,8 +90,7 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     segments.append((cache.sink_k, cache.sink_v, (sink_pos < n[:, None, None]) & (sink_pos <= qp[..., None])))
     if spec.hist_capacity:
         hist_pos = s0 + jnp.arange(spec.hist_capacity)[None, None, :]
-        deq = lambda which: quant.dequantize(quant.unpack(cache.hist(which), spec.quant.bits), spec.quant)
-        segments.append((deq("k"), deq("v"), (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None])))
+        segments.append((cache.dequantized_hist("k"), cache.dequantized_hist("v"), (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None])))
     rpos = ring_positions(n, s0, w)[:, None, :]
     segments.append((cache.recent_k, cache.recent_v, (rpos >= 0) & (rpos <= qp[..., None])))
 

@@ -18,10 +18,11 @@ DEFAULT_RULES = {"batch": "data", "kv_heads": "model"}
 
 # Logical axes of each per-layer leaf (the stacked form adds "layers" in front).
 _KV = ("batch", "kv_heads", "seq", "head_dim")
+_CHANNEL_MAJOR = ("batch", "kv_heads", "head_dim", "seq")  # the packed V codes
 _META = ("batch", "kv_heads", "groups", "slice", "seq")
 _LOGICAL = {
     OscarCache: {
-        "sink_k": _KV, "sink_v": _KV, "hist_codes_k": _KV, "hist_codes_v": _KV,
+        "sink_k": _KV, "sink_v": _KV, "hist_codes_k": _KV, "hist_codes_v": _CHANNEL_MAJOR,
         "hist_lo_k": _META, "hist_scale_k": _META, "hist_lo_v": _META, "hist_scale_v": _META,
         "recent_k": _KV, "recent_v": _KV, "lengths": ("batch",), "overflow": ("batch",),
     },

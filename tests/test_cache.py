@@ -125,3 +125,47 @@ def test_ring_layer_keeps_last_capacity_positions():
     np.testing.assert_array_equal(np.asarray(ring.k[1, :, 9 % 6], np.float32), y[1, 0])
     with pytest.raises(ValueError, match="capacity - window"):
         oj.ring_append(ring, random_kv(rng, 2, 4, 1, 8), random_kv(rng, 2, 4, 1, 8))
+
+
+def test_history_byte_layout_after_write_prompt_and_appends():
+    """Pins the stored layout down: with identity rotations, clip 1, f32 metadata and
+    every token holding the levels 0..3 (lo = 0, scale = 1), the history codes are
+    the inputs themselves. Byte (i, c) of hist_codes_k and byte (c, i) of hist_codes_v
+    hold channel c of history tokens 4i..4i+3, token 4i+s in bits 2s..2s+1, after a
+    prompt write and after one-token and chunked demotions."""
+    b, h, d, s0, w = 2, 2, 16, 4, 8
+    spec = CacheSpec(num_layers=1, batch=b, kv_heads=h, head_dim=d, max_len=s0 + 32 + w,
+                     sink=s0, window=w, quant=QuantConfig(bits=2, scale_dtype="float32"))
+    eye = np.broadcast_to(np.eye(d, dtype=np.float32), (h, d, d))
+    params = oj.LayerParams.create(eye, eye, 1.0, 1.0, num_layers=1, kv_heads=h).layer(0)
+    rng = np.random.default_rng(0)
+    t = spec.max_len
+    codes = rng.integers(0, 4, (2, b, t, h, d))  # [k/v, B, T, H, D]
+    codes[..., 0], codes[..., 1] = 0, 3  # every token spans the full range
+    codes = codes[..., rng.permutation(d)]
+    k, v = (jnp.asarray(x, jnp.float32) for x in codes)
+    prompt = np.array([30, 13])
+    cache = oj.write_prompt(oj.OscarCache.init(spec).layer(0), k, v, jnp.asarray(prompt), params)
+
+    def check(cache):
+        n_hist = np.asarray(cache.lengths) - s0 - w
+        stored = {"k": np.asarray(cache.hist_codes_k), "v": np.asarray(cache.hist_codes_v)}
+        assert stored["k"].shape == (b, h, 8, d) and stored["v"].shape == (b, h, d, 8)
+        for row in range(b):
+            for p in range(max(n_hist[row], 0)):  # history index p = position s0 + p
+                i, s = divmod(p, 4)
+                got_k = (stored["k"][row, :, i, :] >> 2 * s) & 3  # [H, D]
+                got_v = (stored["v"][row, :, :, i] >> 2 * s) & 3
+                np.testing.assert_array_equal(got_k, codes[0, row, s0 + p])
+                np.testing.assert_array_equal(got_v, codes[1, row, s0 + p])
+
+    check(cache)
+    append = jax.jit(oj.append)
+    n = prompt.copy()
+    for c in [1, 1, 3, 1, 8]:
+        idx = n[:, None] + np.arange(c)[None, :]
+        take = lambda x: jnp.take_along_axis(x, jnp.asarray(idx)[:, :, None, None], axis=1)
+        cache = append(cache, take(k), take(v), params)
+        n += c
+        check(cache)
+    assert n.tolist() == [t, 27] and not np.any(cache.overflow)  # row 0: a full history

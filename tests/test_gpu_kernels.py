@@ -203,8 +203,9 @@ def test_write_prompt_pallas_matches_xla(config, rotation, seed, exact=True):
         if exact:
             np.testing.assert_array_equal(codes, codes_ref, err_msg=f"codes_{which}")
         else:
-            a = np.asarray(layout.unpack_codes(codes, bits), np.int32)
-            b = np.asarray(layout.unpack_codes(codes_ref, bits), np.int32)
+            unpack = functools.partial(layout.unpack_codes, bits=bits,
+                                       channel_major=layout.CHANNEL_MAJOR[which])
+            a, b = (np.asarray(unpack(x), np.int32) for x in (codes, codes_ref))
             assert np.abs(a - b).max() <= 1, f"{which}: a code moved by more than one level"
             assert np.mean(a != b) <= 1e-2, f"{which}: {np.mean(a != b):.2e} of codes differ"
         for meta in ("lo", "scale"):
@@ -240,6 +241,29 @@ def test_quantize_pack_nan_stays_in_its_token():
         np.testing.assert_array_equal(got[np.isfinite(got)], ref[np.isfinite(ref)])
     bad = ~np.isfinite(np.asarray(lo)[0, 0])  # [G, tpb, rows]: token 5 is slice 1 of row 1
     assert bad[:, 1, 1].all() and bad.sum() == bad.shape[0]
+
+
+@pytest.mark.parametrize("d,g,c", [(128, 4, 1), (64, 8, 7)])
+def test_triton_kernels_lower_for_cuda(d, g, c):
+    """Pallas's Triton lowering (jax side, no GPU) accepts the attention kernel over the
+    channel-major V codes and the bulk write in both code layouts, for an H200."""
+    b, hkv, rows, sink, window = 2, 2, 256, 64, 256
+    sds = jax.ShapeDtypeStruct
+    bf, u8 = jnp.bfloat16, jnp.uint8
+    args = (sds((b, c, hkv * g, d), jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),
+            sds((b, hkv, rows, d), u8), sds((b, hkv, d, rows), u8),
+            *[sds((b, hkv, 1, 4, rows), bf)] * 4,
+            sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
+    attend = functools.partial(mixed_attention.mixed_attention, sink=sink, window=window, bits=2,
+                               levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False)
+    write_args = (sds((b, 4 * rows, hkv, d), bf), sds((hkv, d, d), jnp.float32), sds((), jnp.float32))
+    writes = [functools.partial(quantize_pack.quantize_pack, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
+                                group_size=d, span=None, scale_dtype=bf, channel_major=channel_major)
+              for channel_major in (False, True)]
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=1, platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        for fn, fn_args in ((attend, args), *((w, write_args) for w in writes)):
+            jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",))
 
 
 # ---------------------------------------------------------------------------------------
@@ -411,8 +435,9 @@ def test_write_prompt_on_gpu_ties_only(config):
     margins = _decision_margin(np.stack([np.asarray(k, np.float32), np.asarray(v, np.float32)]), rot,
                                lengths, want, spec)
     for which, margin in zip("kv", margins):
-        a = np.asarray(layout.unpack_codes(getattr(got, f"hist_codes_{which}"), bits), np.int32)
-        b = np.asarray(layout.unpack_codes(getattr(want, f"hist_codes_{which}"), bits), np.int32)
+        unpack = functools.partial(layout.unpack_codes, bits=bits,
+                                   channel_major=layout.CHANNEL_MAJOR[which])
+        a, b = (np.asarray(unpack(getattr(c, f"hist_codes_{which}")), np.int32) for c in (got, want))
         held = ~np.isnan(margin)
         differ = (a != b) & held
         assert np.abs(a - b)[held].max(initial=0) <= 1, which

@@ -65,3 +65,16 @@ def test_sharded_equals_single_device_and_compiles_once(kv_heads):
     assert sharded_cache.hist_codes_k.sharding.spec == specs.hist_codes_k
     np.testing.assert_array_equal(np.asarray(sharded_cache.hist_codes_v), np.asarray(cache.hist_codes_v))
     assert step._cache_size() == 1
+
+
+def test_sequence_axis_of_each_history_array():
+    """A `seq` rule shards the token axis of every history array: the third of the
+    (token-major) K codes, the last of the channel-major V codes and of the metadata."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    spec = CacheSpec(num_layers=1, batch=2, kv_heads=3, head_dim=16, max_len=4 + 64 + 8,
+                     sink=4, window=8)  # 64 history tokens: 16 packed rows
+    cache = oj.OscarCache.init(spec).layer(0)
+    specs = sharding.partition_specs(cache, mesh, {"batch": "data", "seq": "model"})
+    assert specs.hist_codes_k == P("data", None, "model", None)
+    assert specs.hist_codes_v == P("data", None, None, "model")
+    assert specs.hist_lo_v == P("data", None, None, None, "model")

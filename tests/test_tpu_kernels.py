@@ -143,10 +143,10 @@ def _random_cache(config: Config, lengths, seed):
     lo = lambda: jnp.asarray(rng.standard_normal((b, h, ng, tpb, rows)) - 1.0, meta_dtype)
     top = spec.quant.levels[-1]  # spans of about 0.15 .. 3 like quantised unit-scale data
     scale = lambda: jnp.asarray(rng.uniform(0.05, 1.0, (b, h, ng, tpb, rows)) * 3 / top, meta_dtype)
-    codes = lambda: jnp.asarray(rng.integers(0, 256, (b, h, rows, d)), jnp.uint8)
+    codes = lambda *shape: jnp.asarray(rng.integers(0, 256, (b, h, *shape)), jnp.uint8)
     cache = oj.OscarCache(
         sink_k=bf16(config.sink, d), sink_v=bf16(config.sink, d),
-        hist_codes_k=codes(), hist_codes_v=codes(),
+        hist_codes_k=codes(rows, d), hist_codes_v=codes(d, rows),
         hist_lo_k=lo(), hist_scale_k=scale(), hist_lo_v=lo(), hist_scale_v=scale(),
         recent_k=bf16(config.window, d), recent_v=bf16(config.window, d),
         lengths=jnp.asarray(lengths, jnp.int32), overflow=jnp.zeros((b,), bool), spec=spec)
@@ -285,7 +285,8 @@ LOWERING = [Config(64, 3, 7, quant=QuantConfig(group_size=32)), Config(128, 4, 1
                                          for i, c in enumerate(LOWERING)], ids=str)
 def test_kernels_lower_to_mosaic(config, chip):
     """Pallas's Mosaic lowering (jax side, no TPU compiler) accepts both kernels for the
-    chip; what the TPU compiler would say about vector layouts is not checked here."""
+    chip (the bulk write in both code layouts); what the TPU compiler would say about
+    vector layouts is not checked here."""
     q, cache, params = _random_cache(config, (config.max_len,) * config.batch, 0)
     spec = config.spec
     attend_kernel = functools.partial(
@@ -303,7 +304,9 @@ def test_kernels_lower_to_mosaic(config, chip):
     device = jax.sharding.AbstractDevice(device_kind=chip, num_cores=1, platform="tpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                   abstract_device=device)):
-        for fn, fn_args in ((attend_kernel, args), (write, (x, params.rot_k, params.clip_k))):
+        for fn, fn_args in ((attend_kernel, args), (write, (x, params.rot_k, params.clip_k)),
+                            (functools.partial(write, channel_major=True),
+                             (x, params.rot_v, params.clip_v))):
             text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text
 
@@ -349,16 +352,19 @@ WRITE_CASES = [  # (quant, D, Hkv, prompt tokens T, token block)
 ]
 
 
-def _write(x, rot, clip, cfg, block):
+def _write(x, rot, clip, cfg, block, channel_major):
     return bw.bulk_write(x, rot, clip, bits=cfg.bits, group_size=cfg.group_size,
                          levels=cfg.levels, codebook=cfg.codebook, lloyd_max_span=LLOYD_MAX_SPAN,
-                         scale_dtype=cfg.scale_dtype, interpret=True,
+                         scale_dtype=cfg.scale_dtype, channel_major=channel_major, interpret=True,
                          block_sizes=bw.WriteBlockSizes(block))
 
 
+@pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("rotation", ["signed_permutation", "orthogonal"])
 @pytest.mark.parametrize("cfg,d,hkv,t,block", WRITE_CASES, ids=str)
-def test_bulk_write_matches_quant_pack(cfg, d, hkv, t, block, rotation):
+def test_bulk_write_matches_quant_pack(cfg, d, hkv, t, block, rotation, which):
+    """Keys token-major, values channel-major (`layout.CHANNEL_MAJOR`)."""
+    channel_major = layout.CHANNEL_MAJOR[which]
     rng = np.random.default_rng(t + d)
     x = jnp.asarray((rng.standard_normal((2, t, hkv, d)) * rng.uniform(0.1, 4, (1, 1, hkv, d))
                      + rng.standard_normal((1, 1, hkv, d))).astype(np.float32))
@@ -367,11 +373,11 @@ def test_bulk_write_matches_quant_pack(cfg, d, hkv, t, block, rotation):
     else:
         rot = np.linalg.qr(rng.standard_normal((hkv, d, d)))[0]
     rot = jnp.asarray(rot, jnp.float32)
-    codes, lo, scale = jax.block_until_ready(_write(x, rot, 0.93, cfg, block))
+    codes, lo, scale = jax.block_until_ready(_write(x, rot, 0.93, cfg, block, channel_major))
     assert not tpu_interpret.races.races_found
     x_rot = jnp.einsum("bthd,hde->bhte", x, rot, precision="highest").astype(jnp.bfloat16)
     unpacked = quant.quantize(x_rot, cfg, 0.93)
-    want = quant.pack(unpacked, cfg.bits)
+    want = quant.pack(unpacked, cfg.bits, channel_major=channel_major)
     for got, ref in ((codes, want.codes), (lo, want.lo), (scale, want.scale)):
         assert got.shape == ref.shape and got.dtype == ref.dtype
     if rotation == "signed_permutation":
@@ -383,7 +389,7 @@ def test_bulk_write_matches_quant_pack(cfg, d, hkv, t, block, rotation):
             np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
                                        rtol=tol, atol=tol * 1e-2)
     # Codes: identical, except where a value sits on a rounding tie (either choice is nearest).
-    got_codes = np.asarray(layout.unpack_codes(codes, cfg.bits)).astype(int)
+    got_codes = np.asarray(layout.unpack_codes(codes, cfg.bits, channel_major=channel_major)).astype(int)
     ref_codes = np.asarray(unpacked.codes).astype(int)
     differ = got_codes != ref_codes
     assert np.all(np.abs(got_codes - ref_codes) <= 1)
@@ -413,8 +419,8 @@ def test_write_prompt_through_bulk_kernel_equals_xla_path():
         np.testing.assert_array_equal(np.asarray(getattr(got_cache, name)), np.asarray(getattr(ref, name)))
     for which in "kv":
         want_h, got_h = ref.hist(which), got_cache.hist(which)
-        got = np.asarray(layout.unpack_codes(got_h.codes, 2)).astype(int)
-        want = np.asarray(layout.unpack_codes(want_h.codes, 2)).astype(int)
+        unpack = functools.partial(layout.unpack_codes, bits=2, channel_major=layout.CHANNEL_MAJOR[which])
+        got, want = (np.asarray(unpack(x.codes)).astype(int) for x in (got_h, want_h))
         assert np.abs(got - want).max() <= 1 and (got != want).mean() < 2e-3
         for field in ("lo", "scale"):
             np.testing.assert_allclose(np.asarray(getattr(got_h, field), np.float32),

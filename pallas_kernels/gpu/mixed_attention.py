@@ -9,7 +9,8 @@ partial output and its log-sum-exp; `merge_splits` combines them exactly in
 XLA. All g query heads and C queries of a KV head are the rows of one query
 block, so each packed code byte is read once per query block.
 
-A packed byte holds tpb = 4 tokens (positions 4r .. 4r+3) of one channel, so
+A packed byte holds tpb = 4 tokens (positions 4r .. 4r+3) of one channel (K codes
+[rows, D], V codes channel-major [D, rows], `layout.py`), so
 every query row is expanded into tpb rows: row s * (g * C) + i attends to the
 tokens of slice s only (positions = s mod tpb, in the history and in the bf16
 segments) and is one more partial softmax for the merge. A step's tpb MMAs
@@ -126,7 +127,7 @@ lop3.b32 $1, b, 0x00030003, 0x43004300, 0xea;
 
 
 def _uniform2_slices(codes_u8: jax.Array) -> list[jax.Array]:
-    """GPU fast path, 2-bit uniform codes: uint8 [R, G] -> 4 bf16 [R, G] slices of 128 + code."""
+    """GPU fast path, 2-bit uniform codes: a uint8 tile -> 4 bf16 slices of 128 + code (same shape)."""
     out = jax.ShapeDtypeStruct(codes_u8.shape, jnp.bfloat16)
     return [plgpu.elementwise_inline_asm(_UNPACK2_ASM.format(shift=2 * s), args=[codes_u8],
                                          constraints="=r,=r,r", pack=4, result_shape_dtypes=[out])[0]
@@ -134,7 +135,8 @@ def _uniform2_slices(codes_u8: jax.Array) -> list[jax.Array]:
 
 
 def _slices(codes_u8: jax.Array, bits: int, levels, mult: int, fast: bool) -> list[jax.Array]:
-    """uint8 [R, G] packed codes -> tpb bf16 [R, G] slices holding offset + mult * level[code]."""
+    """A uint8 tile of packed codes (K [R, G], V [G, R]) -> tpb bf16 slices of its shape
+    holding offset + mult * level[code]."""
     if fast and bits == 2 and mult == 1:
         return _uniform2_slices(codes_u8)
     codes = codes_u8.astype(jnp.uint16)
@@ -142,7 +144,7 @@ def _slices(codes_u8: jax.Array, bits: int, levels, mult: int, fast: bool) -> li
 
 
 def _level_values(codes: jax.Array, shift: int, bits: int, levels, mult: int) -> jax.Array:
-    """codes uint16 [R, G] (packed bytes) -> bf16 [R, G]: offset + mult * level of slice `shift`."""
+    """codes uint16 (packed bytes) -> bf16 of the same shape: offset + mult * level of slice `shift`."""
     code = (codes >> shift) & ((1 << bits) - 1)
     if mult == 1 and levels == tuple(float(i) for i in range(len(levels))):
         return lax.bitcast_convert_type(code | _BF16_128, jnp.bfloat16)
@@ -221,11 +223,14 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
         out_slice = jnp.broadcast_to(row_slice[:, None], (bm, gs))
 
         def load_codes(i):
-            """Packed K and V code tiles (uint8 [BR, G] per group) of step i."""
+            """Packed code tiles of step i, per group: K uint8 [BR, G], V uint8 [G, BR]."""
             r0 = r_begin + i * br
-            ok = (r0 + jnp.arange(br) < r_end)[:, None]
-            return tuple(tuple(plgpu.load(ref.at[b, h, pl.ds(r0, br), pl.ds(gi * gs, gs)], mask=ok, other=0)
-                               for gi in range(num_groups)) for ref in (codes_k_ref, codes_v_ref))
+            ok = r0 + jnp.arange(br) < r_end
+            packed_k = tuple(plgpu.load(codes_k_ref.at[b, h, pl.ds(r0, br), pl.ds(gi * gs, gs)],
+                                        mask=ok[:, None], other=0) for gi in range(num_groups))
+            packed_v = tuple(plgpu.load(codes_v_ref.at[b, h, pl.ds(gi * gs, gs), pl.ds(r0, br)],
+                                        mask=ok[None, :], other=0) for gi in range(num_groups))
+            return packed_k, packed_v
 
         def step(i, state):
             packed_k, packed_v = load_codes(i)
@@ -244,7 +249,7 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
                     tile = jnp.broadcast_to(v, (bm, br)) if tile is None else jnp.where(slice_of == s, v, tile)
                 return tile
 
-            def codes(packed, gi):
+            def codes(packed, gi):  # tpb bf16 slices of the tile's shape
                 return _slices(packed[gi], bits, levels, mult, blocks.inline_asm and not interpret)
 
             scores = None
@@ -266,7 +271,7 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
                     pv = (p * meta(scale_v_ref, gi) * (1.0 / mult)).astype(jnp.bfloat16)
                     acc = jnp.sum(p * meta(lo_v_ref, gi) - offset * pv.astype(jnp.float32), axis=1)[:, None]
                     for s in range(tpb):  # rows keep the product with their own slice's codes
-                        acc = acc + jnp.where(out_slice == s, _dot(pv, cv[s], 0, interpret), 0.0)
+                        acc = acc + jnp.where(out_slice == s, _dot(pv, cv[s], 1, interpret), 0.0)
                     out.append(acc)
                 return out
 
@@ -334,8 +339,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     """Attention of C new queries over one layer's mixed cache (plain arrays, rotated basis).
 
     q_rot: f32 [B, C, Hq, D] (already multiplied by R_K); sink_k/v: bf16 [B, Hkv, S0, D];
-    hist_codes_k/v: uint8 [B, Hkv, T_hist/tpb, D]; hist_lo/scale_k/v: [B, Hkv, D/G, tpb,
-    T_hist/tpb] (bf16 or f32); recent_k/v: bf16 [B, Hkv, W, D]; lengths: int32 [B] tokens
+    hist_codes_k: uint8 [B, Hkv, T_hist/tpb, D]; hist_codes_v: uint8 [B, Hkv, D, T_hist/tpb]
+    (channel-major); hist_lo/scale_k/v: [B, Hkv, D/G, tpb, T_hist/tpb] (bf16 or f32); recent_k/v: bf16 [B, Hkv, W, D]; lengths: int32 [B] tokens
     held, the C queries being the newest. Returns (o_rot f32 [B, C, Hq, D] in the R_V
     basis, lse f32 [B, C, Hq]).
     """
@@ -352,6 +357,9 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     if hist_codes_k.shape != (b, hkv, hist_rows, d) or hist_lo_k.shape != (b, hkv, num_groups, tpb, hist_rows):
         raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}, hist_lo_k.shape={hist_lo_k.shape}: "
                          f"expected [B, Hkv, T_hist/{tpb}, D={d}] and [B, Hkv, D/G, {tpb}, T_hist/{tpb}]")
+    if hist_codes_v.shape != (b, hkv, d, hist_rows):
+        raise ValueError(f"hist_codes_v.shape={hist_codes_v.shape}: expected channel-major "
+                         f"[B={b}, Hkv={hkv}, D={d}, T_hist/{tpb}={hist_rows}]")
     if lengths.shape != (b,):
         raise ValueError(f"lengths.shape={lengths.shape}: expected [B={b}]")
     enc = level_encoding(tuple(levels))

@@ -7,7 +7,9 @@ It computes what `quant.pack(quant.quantize(bf16(x @ R), cfg, clip))` computes
 slice s with one gather load (token tpb*i + s), rotates them on the matrix
 units (R split into two bf16 halves, so the product carries ~16 mantissa
 bits before its bf16 rounding), quantises each group of G channels and ORs
-the codes of the tpb slices into one byte row.
+the codes of the tpb slices into one byte row, stored as a row of the
+token-major K codes or, transposed in-kernel, a column of the channel-major
+V codes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class BlockSizes:
 
 
 def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_ref, *, bits, levels,
-            span, group_size, scale_dtype, start, rows_out, block_rows, interpret):
+            span, group_size, scale_dtype, start, rows_out, block_rows, channel_major, interpret):
     b, h, blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t_total, d = x_ref.shape[1], x_ref.shape[3]
     tpb = 8 // bits
@@ -102,20 +104,26 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
             idx = (b, h, jnp.int32(gi), jnp.int32(s), pl.ds(r0, block_rows))
             plgpu.store(lo_ref.at[idx], lo, mask=row_ok)
             plgpu.store(scale_ref.at[idx], scale, mask=row_ok)
-        for cols, p in zip(chunks, packed):
-            plgpu.store(codes_ref.at[b, h, pl.ds(r0, block_rows), cols], p.astype(jnp.uint8),
-                        mask=row_ok[:, None])
+        for cols, p in zip(chunks, packed):  # p: int32 [block_rows, cw]
+            if channel_major:
+                plgpu.store(codes_ref.at[b, h, cols, pl.ds(r0, block_rows)], p.T.astype(jnp.uint8),
+                            mask=row_ok[None, :])
+            else:
+                plgpu.store(codes_ref.at[b, h, pl.ds(r0, block_rows), cols], p.astype(jnp.uint8),
+                            mask=row_ok[:, None])
 
 
 def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_size: int,
                   span: float | None, scale_dtype, start: int = 0, count: int | None = None,
-                  interpret: bool = False, block_sizes: BlockSizes | None = None):
+                  channel_major: bool = False, interpret: bool = False,
+                  block_sizes: BlockSizes | None = None):
     """Rotate, quantise and pack tokens [start, start + count) of x (zeros past T).
 
     x: bf16 [B, T, Hkv, D] (model layout); rot: f32 [Hkv, D, D]; clip: f32 [] ratio.
     span: None for the uniform min/max quantiser, else the Lloyd-Max spread factor.
-    Returns codes uint8 [B, Hkv, count/tpb, D], lo and scale (scale_dtype)
-    [B, Hkv, D/G, tpb, count/tpb]: `layout.pack_codes` / `layout.pack_meta` order.
+    Returns codes uint8 [B, Hkv, count/tpb, D] (channel_major: [B, Hkv, D, count/tpb],
+    the V history's layout), lo and scale (scale_dtype) [B, Hkv, D/G, tpb, count/tpb]:
+    `layout.pack_codes` / `layout.pack_meta` order.
     """
     blocks = block_sizes or BlockSizes()
     b, t, hkv, d = x.shape
@@ -138,10 +146,11 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
     kernel = functools.partial(
         _kernel, bits=bits, levels=tuple(levels), span=span, group_size=group_size,
         scale_dtype=scale_dtype, start=start, rows_out=rows, block_rows=blocks.block_rows,
-        interpret=interpret)
+        channel_major=channel_major, interpret=interpret)
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     meta_shape = jax.ShapeDtypeStruct((b, hkv, ng, tpb, rows), scale_dtype)
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.uint8), meta_shape, meta_shape]
+    codes_shape = (b, hkv, d, rows) if channel_major else (b, hkv, rows, d)
+    out_shape = [jax.ShapeDtypeStruct(codes_shape, jnp.uint8), meta_shape, meta_shape]
     codes, lo, scale = pl.pallas_call(
         kernel,
         grid=(b, hkv, -(-rows // blocks.block_rows)),

@@ -2,7 +2,8 @@
 
 rotate -> round to the store dtype -> clip -> quantise -> pack, in one pass over
 the prompt: each grid step reads a [tokens, Hkv*D] tile of the model-layout
-activations, and writes packed codes [Hkv, tokens/tpb, D] and metadata
+activations, and writes packed codes [Hkv, tokens/tpb, D] (keys) or
+[Hkv, D, tokens/tpb] (channel-major, values) and metadata
 [Hkv, D/G, tpb, tokens/tpb] in the layout of `layout.pack_codes` /
 `layout.pack_meta` (DESIGN §3). Token slice s of a byte row (tokens tpb*i + s)
 is read with a strided sublane load, so packing is a shift-and-OR of tpb
@@ -79,10 +80,12 @@ def _quantize_slice(x, clip, *, n_groups, levels, codebook, span, scale_dtype):
 
 
 def _kernel(clip_ref, x_ref, rot_ref, codes_ref, lo_ref, scale_ref, *, bits, n_groups, levels,
-            codebook, span, round_to):
-    """x_ref [tokens, Hkv*D]; rot_ref f32 [Hkv, D, D]; codes_ref u8 [Hkv, tokens/tpb, D];
-    lo_ref, scale_ref [Hkv, n_groups, tpb, tokens/tpb]; clip_ref f32 [1] in SMEM."""
-    hkv, rows, d = codes_ref.shape
+            codebook, span, round_to, channel_major):
+    """x_ref [tokens, Hkv*D]; rot_ref f32 [Hkv, D, D]; codes_ref u8 [Hkv, tokens/tpb, D]
+    ([Hkv, D, tokens/tpb] when channel_major); lo_ref, scale_ref [Hkv, n_groups, tpb,
+    tokens/tpb]; clip_ref f32 [1] in SMEM."""
+    hkv, d = rot_ref.shape[:2]
+    rows = lo_ref.shape[-1]
     tpb = 8 // bits
     clip = clip_ref[0]
     for h in range(hkv):
@@ -98,16 +101,17 @@ def _kernel(clip_ref, x_ref, rot_ref, codes_ref, lo_ref, scale_ref, *, bits, n_g
             packed = packed | (code << (bits * s))
             lo_ref[h, :, s, :] = lo.T
             scale_ref[h, :, s, :] = scale.T
-        codes_ref[h] = packed.astype(jnp.uint8)
+        codes_ref[h] = (packed.T if channel_major else packed).astype(jnp.uint8)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "levels", "codebook",
                                              "lloyd_max_span", "scale_dtype", "round_to",
-                                             "interpret", "block_sizes"))
+                                             "channel_major", "interpret", "block_sizes"))
 def bulk_write(x, rot, clip, *, bits: int, group_size: int | None, levels: tuple[float, ...],
                codebook: str = "uniform", lloyd_max_span: float | None = None,
                scale_dtype: str = "bfloat16",
-               round_to: str | None = "bfloat16", interpret: bool | pltpu.InterpretParams = False,
+               round_to: str | None = "bfloat16", channel_major: bool = False,
+               interpret: bool | pltpu.InterpretParams = False,
                block_sizes: WriteBlockSizes = WriteBlockSizes()):
     """Rotate, quantise and pack a prompt's keys or values for the history.
 
@@ -116,9 +120,9 @@ def bulk_write(x, rot, clip, *, bits: int, group_size: int | None, levels: tuple
     codebook, lloyd_max_span (required for "lloyd_max") and scale_dtype are the
     fields of the cache's `QuantConfig`. round_to: dtype the rotated
     values are rounded to before quantising ("bfloat16" as `cache.write_prompt`
-    does; None keeps float32). Returns (codes u8 [B, Hkv, T/tpb, D],
-    lo, scale scale_dtype [B, Hkv, D/G, tpb, T/tpb]) =
-    `quant.pack(quant.quantize(rotated, cfg, clip))`.
+    does; None keeps float32). Returns (codes u8 [B, Hkv, T/tpb, D] or, channel_major
+    (the V history), [B, Hkv, D, T/tpb]; lo, scale scale_dtype [B, Hkv, D/G, tpb, T/tpb])
+    = `quant.pack(quant.quantize(rotated, cfg, clip), channel_major=channel_major)`.
     """
     if x.ndim != 4:
         raise ValueError(f"x.shape={x.shape}: expected [B, T, Hkv, D]")
@@ -144,17 +148,24 @@ def bulk_write(x, rot, clip, *, bits: int, group_size: int | None, levels: tuple
     sq = pl.squeezed
     kernel = functools.partial(_kernel, bits=bits, n_groups=n_groups, levels=tuple(levels),
                                codebook=codebook, span=lloyd_max_span,
-                               round_to=None if round_to is None else jnp.dtype(round_to))
+                               round_to=None if round_to is None else jnp.dtype(round_to),
+                               channel_major=channel_major)
+    if channel_major:
+        codes_spec = pl.BlockSpec((sq, hkv, d, rows), lambda b, i: (b, 0, 0, i))
+        codes_shape = (bsz, hkv, d, t // tpb)
+    else:
+        codes_spec = pl.BlockSpec((sq, hkv, rows, d), lambda b, i: (b, 0, i, 0))
+        codes_shape = (bsz, hkv, t // tpb, d)
     return pl.pallas_call(
         kernel,
         grid=(bsz, pl.cdiv(t, tokens)),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec((sq, tokens, hkv * d), lambda b, i: (b, i, 0)),
                   pl.BlockSpec((hkv, d, d), lambda b, i: (0, 0, 0))],
-        out_specs=[pl.BlockSpec((sq, hkv, rows, d), lambda b, i: (b, 0, i, 0)),
+        out_specs=[codes_spec,
                    pl.BlockSpec((sq, hkv, n_groups, tpb, rows), lambda b, i: (b, 0, 0, 0, i)),
                    pl.BlockSpec((sq, hkv, n_groups, tpb, rows), lambda b, i: (b, 0, 0, 0, i))],
-        out_shape=[jax.ShapeDtypeStruct((bsz, hkv, t // tpb, d), jnp.uint8),
+        out_shape=[jax.ShapeDtypeStruct(codes_shape, jnp.uint8),
                    jax.ShapeDtypeStruct((bsz, hkv, n_groups, tpb, t // tpb), meta_dtype),
                    jax.ShapeDtypeStruct((bsz, hkv, n_groups, tpb, t // tpb), meta_dtype)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),

@@ -12,6 +12,8 @@ History scores use the integer trick of DESIGN §3, per group of G channels:
 so the MXU multiplies the queries by small integer levels and the per-token
 scale/lo are applied to the [query rows, tokens] score tile; values likewise:
   sum_t p_t x_hat_t = (p * scale) @ level[codes] + sum_t p_t lo_t.
+The V codes are channel-major ([D, rows] per block, `layout.py`), so the value
+product contracts the lane (token) axis of both operands, like q @ k^T.
 The packed codes and metadata are the only history bytes read from HBM; no
 dequantised [T, D] tile is ever formed.
 
@@ -117,7 +119,7 @@ def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_r
     """Refs per grid point (b, h, k):
 
     q_ref f32 [M, D] (scaled, rotated; row r is query c = r % chunk);
-    sink_k/v bf16 [S0, D]; codes_k/v u8 [hist_rows, D];
+    sink_k/v bf16 [S0, D]; codes_k u8 [hist_rows, D]; codes_v u8 [D, hist_rows];
     lo_k, scale_k, lo_v, scale_v [n_groups, tpb, hist_rows]; recent_k/v bf16 [W, D];
     outputs o f32 [M, D], lse f32 [M, 128]; scratch m, l f32 [M, 128], acc f32 [M, D].
     """
@@ -174,9 +176,8 @@ def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_r
             q_sums = jnp.sum(q_groups, axis=-1)[:, :, None]  # [ng, M, 1]
             q_flat = q_groups.reshape(n_groups * m_rows, d)
             packed_k = codes_k_ref[...].astype(jnp.int32)
-            packed_v = codes_v_ref[...].astype(jnp.int32)
+            packed_v = codes_v_ref[...].astype(jnp.int32)  # [D, rows]
             row_ids = k * hist_rows + jax.lax.broadcasted_iota(jnp.int32, (1, hist_rows), 1)
-            row_ids_col = k * hist_rows + jax.lax.broadcasted_iota(jnp.int32, (hist_rows, 1), 0)
             mask = (1 << bits) - 1
             for s in range(tpb):
                 valid = tpb * row_ids + s < n_hist  # [1, rows]; also masks a partial last block
@@ -187,12 +188,12 @@ def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_r
                 raw = _dot(q_flat, lvl_k, _NT, passes).reshape(n_groups, m_rows, hist_rows)
                 scores = jnp.sum(scale_k[:, None, :] * raw + lo_k[:, None, :] * q_sums, axis=0)
                 scores = jnp.where(valid, scores, -jnp.inf)
-                lvl_v = _level_values((packed_v >> (bits * s)) & mask, levels)
-                lvl_v = jnp.where(tpb * row_ids_col + s < n_hist, lvl_v, jnp.zeros((), lvl_v.dtype))
+                lvl_v = _level_values((packed_v >> (bits * s)) & mask, levels)  # [D, rows]
+                lvl_v = jnp.where(valid, lvl_v, jnp.zeros((), lvl_v.dtype))
 
                 def pv(p, lvl_v=lvl_v, lo_v=lo_v, scale_v=scale_v):
                     weighted = (p[None] * scale_v[:, None, :]).reshape(n_groups * m_rows, hist_rows)
-                    out = _dot(weighted, lvl_v, _NN, passes).reshape(n_groups, m_rows, d)
+                    out = _dot(weighted, lvl_v, _NT, passes).reshape(n_groups, m_rows, d)
                     lo_term = jnp.sum(p[None] * lo_v[:, None, :], axis=-1)[:, :, None]
                     return jnp.sum(jnp.where(group_mask, out + lo_term, 0.0), axis=0)
 
@@ -226,7 +227,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     """Attention of C appended queries over one layer's mixed cache (DESIGN §1.3).
 
     q_rot f32 [B, C, Hq, D] (rotated by R_K); sink_k/v bf16 [B, Hkv, S0, D];
-    hist_codes_k/v u8 [B, Hkv, R, D] (R = T_hist / tpb); hist_lo/scale_k/v
+    hist_codes_k u8 [B, Hkv, R, D] (R = T_hist / tpb); hist_codes_v u8 [B, Hkv, D, R]
+    (channel-major); hist_lo/scale_k/v
     [B, Hkv, D/G, tpb, R]; recent_k/v bf16 [B, Hkv, W, D]; lengths int32 [B]
     (tokens held, the C queries included). Query head i uses KV head i // (Hq/Hkv).
     Returns o f32 [B, C, Hq, D] in the R_V basis and lse f32 [B, C, Hq].
@@ -249,8 +251,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     _check("sink_v", sink_v, (bsz, hkv, sink, d), jnp.bfloat16)
     _check("recent_k", recent_k, (bsz, hkv, window, d), jnp.bfloat16)
     _check("recent_v", recent_v, (bsz, hkv, window, d), jnp.bfloat16)
-    for name, x in (("hist_codes_k", hist_codes_k), ("hist_codes_v", hist_codes_v)):
-        _check(name, x, (bsz, hkv, rows, d), jnp.uint8)
+    _check("hist_codes_k", hist_codes_k, (bsz, hkv, rows, d), jnp.uint8)
+    _check("hist_codes_v", hist_codes_v, (bsz, hkv, d, rows), jnp.uint8)
     for name, x in (("hist_lo_k", hist_lo_k), ("hist_scale_k", hist_scale_k),
                     ("hist_lo_v", hist_lo_v), ("hist_scale_v", hist_scale_v)):
         _check(name, x, (bsz, hkv, n_groups, tpb, rows))
@@ -284,11 +286,12 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         in_specs += [pl.BlockSpec((sq, sq, sink, d), fixed)] * 2
         args += [sink_k, sink_v]
     if has_hist:
-        codes_spec = pl.BlockSpec((sq, sq, hist_rows, d),
-                                  lambda *a: (*hist_block(*a), 0))
+        codes_k_spec = pl.BlockSpec((sq, sq, hist_rows, d), lambda *a: (*hist_block(*a), 0))
+        codes_v_spec = pl.BlockSpec((sq, sq, d, hist_rows),
+                                    lambda *a: (*hist_block(*a)[:2], 0, hist_block(*a)[2]))
         meta_spec = pl.BlockSpec((sq, sq, n_groups, tpb, hist_rows),
                                  lambda *a: (*hist_block(*a)[:2], 0, 0, hist_block(*a)[2]))
-        in_specs += [codes_spec] * 2 + [meta_spec] * 4
+        in_specs += [codes_k_spec, codes_v_spec] + [meta_spec] * 4
         args += [hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v]
     in_specs += [pl.BlockSpec((sq, sq, window, d), fixed)] * 2
     args += [recent_k, recent_v]
