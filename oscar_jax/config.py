@@ -19,6 +19,7 @@ ScaleDtype = Literal["bfloat16", "float32"]
 # (DESIGN §1.2): the span is mu +- LLOYD_MAX_SPAN * sigma (times the clip ratio).
 LLOYD_MAX_LEVELS = (0.0, 1.05, 1.95, 3.0)
 LLOYD_MAX_SPAN = 1.51
+HIST_TILE = 256  # tokens: the quantised history is allocated in whole tiles of this many
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -94,7 +95,7 @@ class CacheSpec:
 
     Positions [0, sink) live in the bf16 sink, the last `window` positions in
     the bf16 recent ring, and everything between in the quantised history of
-    `hist_capacity` tokens. `max_len = sink + hist_capacity + window`.
+    `hist_capacity >= max_len - sink - window` tokens (whole `HIST_TILE`s).
     """
 
     num_layers: int
@@ -126,10 +127,11 @@ class CacheSpec:
 
     @property
     def hist_capacity(self) -> int:
-        """History tokens, rounded up so whole bytes of packed codes fit."""
-        tpb = self.quant.tokens_per_byte
+        """History tokens: max_len - sink - window rounded up to whole tiles of HIST_TILE
+        tokens (64 packed rows of 2-bit codes, the unit the Mosaic GPU kernel moves with TMA;
+        at most 255 tokens of slack per sequence)."""
         n = self.max_len - self.sink - self.window
-        return -(-n // tpb) * tpb
+        return -(-n // HIST_TILE) * HIST_TILE
 
     @property
     def num_groups(self) -> int:
