@@ -16,6 +16,7 @@ lengths; the lengths are traced, so the cases of a configuration share one
 compilation.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -267,13 +268,14 @@ def test_triton_kernels_lower_for_cuda(d, g, c):
 
 
 # ---------------------------------------------------------------------------------------
-# Mosaic GPU kernel (mixed_attention_mgpu): decode, G = D, uniform codes, bf16 metadata.
-# On CPU it runs in Mosaic GPU interpret mode; `test_mgpu_lowers_for_cuda` runs the Python
-# side of its sm_90 compilation (layouts, wgmma and TMA checks) without a GPU.
+# Mosaic GPU kernel (mixed_attention_mgpu): decode on int8 MMAs, G = D, uniform codes, bf16
+# metadata. On CPU it runs in Mosaic GPU interpret mode (register operands staged in shared
+# memory, the unpacking and the transposed weight store as array ops); `test_mgpu_lowers_for_cuda`
+# runs the Python side of its sm_90 compilation (layouts, wgmma and TMA checks) without a GPU.
 
 MGPU_CASES = [  # (D, g, history tokens, target programs: 8 -> one split of many steps)
-    (128, 4, 1504, 8), (128, 1, 1504, 64), (128, 3, 100, 8), (128, 8, 480, 32), (128, 4, 992, 1024),
-    (64, 3, 1504, 8), (256, 4, 1504, 16), (256, 1, 480, 8)]
+    (128, 4, 1536, 8), (128, 1, 1536, 64), (128, 3, 100, 8), (128, 8, 480, 32), (128, 4, 992, 1024),
+    (64, 3, 1536, 8), (256, 4, 1536, 16), (256, 1, 480, 8)]
 
 
 @pytest.mark.parametrize("pattern", [0, 9, 13])
@@ -289,38 +291,54 @@ def test_mgpu_attention_matches_reference(case, pattern):
 
 def test_mgpu_deeper_tma_pipeline_matches_reference():
     """buffers=3: steps i + 1 and i + 2 in flight while step i is computed."""
-    spec = _spec(128, 128, "uniform", "bfloat16", hist=1504)
+    spec = _spec(128, 128, "uniform", "bfloat16", hist=1536)
     rng = np.random.default_rng(3)
     kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=8, buffers=3)
     _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True)
 
 
+def test_mgpu_query_split_is_finer_than_bf16():
+    """q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo: within q_step / 2 (+ the rare clipped
+    q_lo), far under a bf16 rounding of q."""
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((3, 8, 128)) * 3, jnp.float32)
+    hi, lo, step = mixed_attention_mgpu.split_query(q)
+    assert hi.dtype == lo.dtype == jnp.int8
+    approx = step[..., None] * (256.0 * hi.astype(jnp.float32) + lo.astype(jnp.float32))
+    err = float(jnp.max(jnp.abs(approx - q) / jnp.max(jnp.abs(q), axis=-1, keepdims=True)))
+    bf16_err = float(jnp.max(jnp.abs(q.astype(jnp.bfloat16).astype(jnp.float32) - q)
+                             / jnp.max(jnp.abs(q), axis=-1, keepdims=True)))
+    assert err <= 1.0 / (127 * 256) and err < bf16_err / 10
+
+
 def test_mgpu_refuses_what_it_does_not_handle():
-    spec = _spec(128, 128, "uniform", "bfloat16", hist=1500)  # 375 packed rows: not a multiple of 8
+    spec = _spec(128, 64, "uniform", "bfloat16", hist=1536)  # G < D
     rng = np.random.default_rng(0)
     q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
     assert not mixed_attention_mgpu.supports(spec, 1, 4)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, cache, params)
-    spec = _spec(128, 64, "uniform", "bfloat16", hist=1504)  # G < D
-    q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
-    assert not mixed_attention_mgpu.supports(spec, 1, 4)
-    assert not mixed_attention_mgpu.supports(_spec(128, 128, "uniform", "bfloat16", hist=1504), 7, 4)
+    assert not mixed_attention_mgpu.supports(_spec(128, 128, "uniform", "bfloat16", hist=1536), 7, 4)
+    assert not mixed_attention_mgpu.supports(_spec(128, 128, "uniform", "float32", hist=1536), 1, 4)
     with pytest.raises(ValueError, match="G=D"):
         attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, cache, params)
+    spec = _spec(128, 128, "uniform", "bfloat16", hist=1536)
+    q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
+    token_major = dataclasses.replace(cache, hist_codes_v=jnp.swapaxes(cache.hist_codes_v, -1, -2))
+    with pytest.raises(ValueError, match="channel-major"):
+        attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, token_major, params)
 
 
-def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
-    """"auto" on a GPU: the Mosaic GPU kernel for D = 128 decode (where it was measured
-    faster), the Triton kernel for extend (C > 1), other D, or a GPU that is not sm_90."""
-    spec = _spec(128, 128, "uniform", "bfloat16", hist=1504)
+def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128_and_256(monkeypatch):
+    """"auto" on a GPU: the Mosaic GPU kernel for decode at D = 128 and 256 (where it was
+    measured faster), the Triton kernel for extend (C > 1), g > 8, D = 64, or a GPU that is
+    not sm_90."""
+    spec = _spec(128, 128, "uniform", "bfloat16", hist=1536)
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas_mosaic_gpu"
+    assert attention.resolve("auto", _spec(256, 256, "uniform", "bfloat16", hist=1536), 1, 4,
+                             backend="gpu") == "pallas_mosaic_gpu"
     assert attention.resolve("auto", spec, 7, 4, backend="gpu") == "pallas"
     assert attention.resolve("auto", spec, 1, 16, backend="gpu") == "pallas"
-    assert attention.resolve("auto", _spec(256, 256, "uniform", "bfloat16", hist=1504), 1, 4,
-                             backend="gpu") == "pallas"
-    assert attention.resolve("pallas_mosaic_gpu", _spec(256, 256, "uniform", "bfloat16", hist=1504),
-                             1, 4) == "pallas_mosaic_gpu"
+    d64 = _spec(64, 64, "uniform", "bfloat16", hist=1536)
+    assert attention.resolve("auto", d64, 1, 3, backend="gpu") == "pallas"
+    assert attention.resolve("pallas_mosaic_gpu", d64, 1, 3) == "pallas_mosaic_gpu"
     with pytest.raises(ValueError, match="C=7 queries"):
         attention.resolve("pallas_mosaic_gpu", spec, 7, 4)
     monkeypatch.setattr(mixed_attention_mgpu, "device_supported", lambda: False)
@@ -333,7 +351,7 @@ def test_mgpu_lowers_for_cuda():
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
     args = (sds((b, 1, hkv * g, d), jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),
-            sds((b, hkv, rows, d), u8), sds((b, hkv, rows, d), u8),
+            sds((b, hkv, rows, d), u8), sds((b, hkv, d, rows), u8),
             *[sds((b, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
     fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
@@ -377,7 +395,7 @@ def test_mgpu_attention_on_gpu(case):
 def test_auto_attend_on_gpu_runs_the_preferred_kernel():
     """attend(implementation="auto") at D = 128 decode: the Mosaic GPU kernel on sm_90 (the
     Triton one elsewhere), through the same entry point the models use, against the reference."""
-    spec = _spec(128, 128, "uniform", "bfloat16", sink=64, window=256, hist=3008)
+    spec = _spec(128, 128, "uniform", "bfloat16", sink=64, window=256, hist=3072)
     hopper = jax.devices()[0].compute_capability == "9.0"
     assert attention.resolve("auto", spec, 1, 4) == ("pallas_mosaic_gpu" if hopper else "pallas")
     _check_attention(np.random.default_rng(11), spec, 4, 1,

@@ -1,34 +1,34 @@
-"""Decode attention over the mixed OSCAR cache as a Mosaic GPU (Hopper) kernel.
+"""Decode attention over the mixed OSCAR cache as a Mosaic GPU (Hopper) kernel, on int8 MMAs.
 
-Status: compiled and correct on the H200 (`pytest -m gpu -k mgpu`) and in Mosaic GPU
-interpret mode on CPU. `attention.attend` ("auto") runs it for decode at D = 128 on
-sm_90, where the H200 measured it faster than the Triton kernel (B8 H32/8: 0.583 vs
-0.703 ms at 128K, 0.259 vs 0.277 ms at 32K); at D = 256 it is slower (0.237 vs 0.139 ms),
-see bench/results/kernels_mgpu_ab_h200.json.
+Both products run on the tensor cores' int8 path (wgmma s8·s8 -> s32), straight from the
+2-bit codes (0..3 are exact int8), with tokens as the MMA's M dimension on the K side:
+  scores^T [64, 8] = code_s [64, D] @ (256 q_hi + q_lo)^T            (two s8 MMAs)
+  scores = scale_s * (q_step * raw) + lo_s * Σq                        (per token, per query)
+  online softmax over tokens, in base 2 (log2 e is folded into q)
+  out^T [D, 8] += vcode_s^T [D, 64] @ w8_s [64, 8],  w = p ∘ vscale_s  (one s8 MMA)
+where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (~16 bits of q, finer than bf16),
+and w8 = round(127 w / max w) per step and query column (the step's max over its 256
+tokens, so a tile of small probabilities keeps its full 7-bit resolution). Σ p·lo is kept
+per token and reduced once at the end.
 
-Tokens are the MMA's M dimension ("swap AB"): with g <= 8 query heads per KV
-head, the query side is the N = 8 operand, so a decode step wastes at most
-8 / g of the matrix work (the Triton kernel pads g to 16 rows or expands slices).
-One program per (batch row, KV head, history split); each step moves 64 packed
-rows (256 tokens) of K and V codes and their metadata into shared memory with
-TMA, and for each token slice s (token 4r + s is bits 2s..2s+1 of byte r):
-  scores^T [64, 8] = bf16(128 + code_s) [64, D] @ q^T           (wgmma)
-  scores = scale_s * (scores - 128 Σq) + lo_s * Σq                (per token; Σq of bf16 q)
-  online softmax over tokens (axis 0), per query column
-  out^T [D, 8] += bf16(128 + vcode_s)^T [D, 64] @ (p ∘ vscale_s) [64, 8]
-and Σ p·lo - 128 Σ(p ∘ vscale) is kept per column. The D channels of both
-products are in `channel_order(D)` (the order the packed-word unpack produces):
-q is permuted to it before the call and the output back after. The bf16 sink and recent
-ring (S0 + W tokens) are attended in XLA and merged with the history splits
-by log-sum-exp, like the Triton kernel's partials.
+Code tiles never pass through a float: token slice s of a packed 32-bit word is
+`(word >> 2s) & 0x03030303`, four int8 codes, which is one A-operand register of the
+WGMMA 8-bit layout as it stands. On the K side a word holds 4 channels x 4 tokens (the
+cache's key layout), so a slice gives 4 channels of one token; on the V side the cache
+stores codes channel-major ([D, T_hist/4]: a word holds 16 tokens of one channel), so a
+slice gives 4 tokens of one channel, the K-major A operand of V^T·w (int8 wgmma takes
+both operands K-major only, which is why the V codes are stored transposed).
 
-Scope: C = 1, D in {64, 128, 256}, G = D, uniform 2-bit codes, bf16 metadata,
-g <= 8, packed history rows a multiple of 8 (TMA needs 16-byte metadata rows).
-One warpgroup per program; the TMA of step i + buffers - 1 is issued before
-step i is computed. Compiled, the K tile is the MMA's A operand straight from
-registers; the V tile (A = V^T) is staged in shared memory (Mosaic GPU cannot
-load a transposed uint8 tile into the WGMMA layout). The GPU interpreter takes
-A operands only from shared memory, so in interpret mode the K tile is staged too.
+One program per (batch row, KV head, history split), one warpgroup; each step moves 64
+packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their metadata into
+shared memory with TMA, `buffers` steps deep. The bf16 sink and recent ring (S0 + W
+tokens) are attended in XLA and merged with the history splits by log-sum-exp.
+
+Scope (`supports`): C = 1, D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata,
+g <= 8, packed history rows a multiple of 64 (whole TMA tiles; `CacheSpec` allocates the
+history in 256-token tiles).
+In interpret mode (CPU) the A operands are staged in shared memory (the GPU interpreter
+takes no register operands) and the unpacking uses array ops.
 """
 
 from __future__ import annotations
@@ -51,106 +51,143 @@ from .mixed_attention import merge_splits
 _ROWS = 64  # packed rows per step: one m64 MMA tile per token slice
 _N = 8  # query columns: g heads padded to the smallest MMA N
 _TPB = 4  # tokens per packed byte (2-bit codes)
-_OFFSET = 128.0  # 0x4300 | code is the bf16 number 128 + code
 _COPIES = 6  # TMA copies per step: K codes, V codes, lo/scale of K and of V
+_Q_LO = 256.0  # q ≈ q_step * (256 q_hi + q_lo)
+_W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
+_W_LO = 254.0
+_CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
+_LOG2E = 1.4426950408889634
 
 
-def channel_order(d: int) -> np.ndarray:
-    """[d] int: A-operand column a holds channel order[a] (see `_slice_tile`). Within each
-    16-channel block, a = 8k + 2t + e holds channel 4t + 2e + k."""
-    a = np.arange(d)
-    return 16 * (a // 16) + 4 * ((a % 8) // 2) + 2 * (a % 2) + (a % 16 >= 8)
+def _int8_tiles(minor: int) -> tuple:
+    """Shared-memory transforms of an int8 MMA operand whose rows have `minor` bytes."""
+    swizzle = min(minor, 128)
+    return plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)
 
 
-def _slice_tile(packed: jax.Array, s: int, *, interpret: bool) -> jax.Array:
-    """uint8 [R, D] packed bytes -> bf16 [R, D]: column a = 128 + code of token slice s of
-    channel channel_order(D)[a].
-
-    Compiled, each thread's 32-bit register of 4 packed channels (WGMMA_8BIT layout) gives
-    two bf16 pairs of the WGMMA layout with one shift and one and-or each
-    (`(w >> 2s + 8k) & 0x00030003 | 0x43004300`: bytes k and k + 2), which fixes the channel
-    order. The interpreter cannot run `inline_mgpu` with results, so there the same tile is
-    built with array ops.
-    """
-    r, d = packed.shape
+def _slice_codes(packed: jax.Array, s: int, *, interpret: bool) -> jax.Array:
+    """uint8 [R, C] packed tile (WGMMA 8-bit layout) -> int8 [R, C]: the 2-bit codes of token
+    slice s, `(byte >> 2s) & 3`, computed on whole 32-bit registers (one shift, one and)."""
     if interpret:
-        x = packed.astype(jnp.uint16)
-        codes = lax.bitcast_convert_type(((x >> (2 * s)) & jnp.uint16(3)) | jnp.uint16(0x4300), jnp.bfloat16)
-        return codes.reshape(r, d // 16, 4, 2, 2).transpose(0, 1, 4, 2, 3).reshape(r, d)
+        return ((packed >> (2 * s)) & jnp.uint8(3)).astype(jnp.int8)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
-                       return_type=plgpu.ShapeDtypeStruct((r, d), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+                       return_type=plgpu.ShapeDtypeStruct(packed.shape, jnp.int8,
+                                                          layout=plgpu.Layout.WGMMA_8BIT))
     def convert(ctx, words):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        one_i32, two_bf16 = ir.VectorType.get((1,), i32), ir.VectorType.get((2,), ir.BF16Type.get())
+        one_i32 = ir.VectorType.get((1,), i32)
         const = lambda v: arith.constant(i32, v)
-        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((r, d)), dtype=object)
-        for idx, reg in np.ndenumerate(words.registers):  # idx[1]: 16-channel block
+        out = np.empty_like(words.registers)
+        for idx, reg in np.ndenumerate(words.registers):
             w = llvm.extractelement(vector.bitcast(one_i32, reg), const(0))
-            for k in range(2):  # bytes k and k + 2 -> the pair in 8-column block 2 idx[1] + k
-                shift = 2 * s + 8 * k
-                t = arith.shrui(w, const(shift)) if shift else w
-                t = arith.ori(arith.andi(t, const(0x00030003)), const(0x43004300))
-                at = list(idx)
-                at[1] = 2 * idx[1] + k
-                out[tuple(at)] = vector.bitcast(two_bf16, vector.broadcast(one_i32, t))
-        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+            if s:
+                w = arith.shrui(w, const(2 * s))
+            w = arith.andi(w, const(0x03030303))
+            out[idx] = vector.bitcast(reg.type, vector.broadcast(one_i32, w))
+        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
 
     return convert(packed)
 
 
-def _kernel(n_ref, q_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
-            o_ref, lse_ref,
-            q_smem, ck_smem, cv_smem, meta_smem, a_smem, p_smem, o_smem, lse_smem, q_bar, tile_bars,
-            *, split_rows: int, hist_rows: int, head_dim: int, buffers: int, interpret: bool):
+def _store_weights(w_smem, tiles, *, interpret: bool) -> None:
+    """Store int32 [64, 8] weight tiles (WGMMA layout, values in [-127, 127]) as int8,
+    transposed: tiles[2 s + k] into w_smem[s, k] of [4, 2, 8, 64] (tiled (8, 64), 64-byte
+    swizzle; k = 0: hi, 1: lo), the K-major B operands of the V products.
+
+    Compiled, each element is one byte store at its swizzled address (Mosaic GPU has no
+    transposed 8-bit store before Blackwell). In the [8, 64] tile, element (row r, column j)
+    sits at byte 64 j + r, whose 16-byte chunk (bits 4-5) is XORed with bits 7-8.
+    """
+    if interpret:
+        for t, x in enumerate(tiles):
+            w_smem.at[t // 2, t % 2].T[...] = x.astype(jnp.int8)
+        return
+
+    @plgpu.inline_mgpu(arg_types=((plgpu.Layout.WGMMA,) * len(tiles), plgpu.RefType(_int8_tiles(_ROWS))))
+    def store(ctx, arrays, ref):
+        del ctx
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        const = lambda v: arith.constant(i32, v)
+        base = mgpu.utils.memref_ptr(ref)
+        layout = arrays[0].layout
+        for reg_idx, (row, col) in zip(np.ndindex(arrays[0].registers.shape),
+                                       layout.thread_idxs(arrays[0].shape)):
+            row, col = (arith.index_castui(i32, x) for x in (row, col))
+            for e in range(layout.vector_length):  # column col + e
+                offset = arith.addi(arith.muli(arith.addi(col, const(e)), const(_ROWS)), row)
+                chunk = arith.andi(arith.shrui(offset, const(3)), const(0x30))
+                offset = arith.xori(offset, chunk)
+                for t, x in enumerate(arrays):
+                    value = arith.trunci(i8, llvm.extractelement(x.registers[reg_idx], const(e)))
+                    ptr = mgpu.utils.getelementptr(base, [arith.addi(offset, const(t * _N * _ROWS))], i8)
+                    llvm.store(value, ptr)
+
+    store(tuple(tiles), w_smem)
+
+
+def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
+            o_ref, lse_ref, *, q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem,
+            lse_smem, q_bar, tile_bars, stage_k=None, stage_v=None,
+            split_rows: int, hist_rows: int, head_dim: int, packed: int, buffers: int, interpret: bool):
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("split")
+    n_tiles = _TPB // packed  # score tiles per step; tile t holds slices t * packed + j
     n_hist = n_ref[b]
     valid_rows = (n_hist + _TPB - 1) // _TPB
     r_begin = sp * split_rows
     r_end = jnp.minimum(r_begin + split_rows, valid_rows)
     steps = (jnp.maximum(r_end - r_begin, 0) + _ROWS - 1) // _ROWS
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])  # q_hi, q_lo
+    plgpu.copy_gmem_to_smem(qcol_ref.at[b, h], qcol_smem, q_bar.at[0])  # q_step, Σq tiles
     plgpu.barrier_wait(q_bar.at[0])
-    col = plgpu.Layout.WGMMA.reduce(0)  # one value per query column
-    row = plgpu.Layout.WGMMA.reduce(1)  # one value per token
     tile = (_ROWS, _N)
-
-    def column_sums(acc_ref):
-        """Σ_d q[c, d] of the bf16 MMA operand, as a [64, 8] tile (the same in every row): an MMA
-        of a ones tile with q. (An 8-vector loaded with the column layout gave every score a
-        per-column offset on the H200, so the sums are made in the scores' own tile layout.)"""
-        a_smem.at[0][...] = plgpu.layout_cast(jnp.full((_ROWS, head_dim), 1.0, jnp.bfloat16),
-                                              plgpu.Layout.WGMMA)
-        plgpu.commit_smem()
-        plgpu.wgmma(acc_ref, a_smem.at[0], q_smem.T)
-        return acc_ref[...]
-
-    q_sum = pl.run_scoped(column_sums, plgpu.ACC(tile, jnp.float32))
-    q_offset = _OFFSET * q_sum  # what the 128 in bf16(128 + code) adds to every score
+    wgmma_layout = plgpu.Layout.WGMMA
+    row = wgmma_layout.reduce(1)  # one value per token
+    q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
+    q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
     by_col = lambda v, shape=tile: lax.broadcast_in_dim(v, shape, [1])
     by_row = lambda v: lax.broadcast_in_dim(v, tile, [0])
-    row_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
+    row_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=wgmma_layout)
+    col_block = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=wgmma_layout) // (_N // packed)
+    codes_layout = None if interpret else plgpu.Layout.WGMMA_8BIT
+
+    def by_block(vectors):
+        """[64] per slice of a tile -> [64, 8]: column block j takes the vector of slice j."""
+        out = by_row(vectors[0])
+        for j in range(1, len(vectors)):
+            out = jnp.where(col_block == j, by_row(vectors[j]), out)
+        return out
 
     def tile_start(i):
-        """First packed row of step i; the last tile is moved back to end at the array's end.
-        Both are multiples of 8 (split_rows % 64 == 0, hist_rows % 8 == 0), which the TMA into
-        the 8-row-tiled code buffers needs."""
+        """First packed row of step i; the last tile is moved back to end at the array's end
+        (both multiples of 64: split_rows % 64 == hist_rows % 64 == 0, as the TMA of the
+        [D, 64]-tiled V codes needs)."""
         r_nominal = r_begin + i * _ROWS
         return r_nominal, jnp.minimum(r_nominal, hist_rows - _ROWS)
 
     def issue(i, slot):
-        """TMA of step i's K/V code tiles and 4 metadata tiles into buffer `slot`."""
+        """TMA of step i's K codes [64, D], V codes [D, 64] and 4 metadata tiles into `slot`."""
         r0 = tile_start(i)[1]
-        sources = [ck_ref.at[b, h, pl.ds(r0, _ROWS)], cv_ref.at[b, h, pl.ds(r0, _ROWS)]]
+        sources = [ck_ref.at[b, h, pl.ds(r0, _ROWS)], cv_ref.at[b, h, :, pl.ds(r0, _ROWS)]]
         sources += [ref.at[b, h, :, pl.ds(r0, _ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
         targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
-        for j, (src, dst) in enumerate(zip(sources, targets)):
+        for src, dst in zip(sources, targets):
             plgpu.copy_gmem_to_smem(src, dst, tile_bars.at[slot])  # one arrival per copy
 
     for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
         pl.when(j < steps)(functools.partial(issue, j, j))
+
+    def a_operand(packed, s, stage):
+        """Slice s of a packed tile as an MMA A operand: registers when compiled; staged in
+        shared memory when interpreted (the GPU interpreter takes no register operands)."""
+        x = _slice_codes(packed, s, interpret=interpret)
+        if not interpret:
+            return x
+        stage.at[s][...] = x
+        plgpu.commit_smem()
+        return stage.at[s]
 
     def step(i, carry):
         acc, m, l_part, lo_part = carry
@@ -158,70 +195,84 @@ def _kernel(n_ref, q_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
         ahead = i + buffers - 1  # into the buffer step i - 1 read (its data is in registers)
         pl.when(ahead < steps)(lambda: issue(ahead, lax.rem(ahead, buffers)))
 
-        plgpu.barrier_wait(tile_bars.at[slot])
+        with jax.named_scope("tma_wait"):  # phases name the regions of a Mosaic GPU profile
+            plgpu.barrier_wait(tile_bars.at[slot])
         r_nominal, r0 = tile_start(i)
         fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
-        codes_layout = None if interpret else plgpu.Layout.WGMMA_8BIT
-        packed_k, packed_v = [plgpu.load(ref.at[slot], layout=codes_layout)  # read once per step
-                              for ref in (ck_smem, cv_smem)]
-        meta = [[plgpu.load(meta_smem.at[slot, j, s], layout=row).astype(jnp.float32) for j in range(4)]
-                for s in range(_TPB)]  # per slice: lo_k, scale_k, lo_v, scale_v [64]
+        packed_k = plgpu.load(ck_smem.at[slot], layout=codes_layout)  # [64, D]
+        packed_v = plgpu.load(cv_smem.at[slot], layout=codes_layout)  # [D, 64]
+        # Per tile: lo_k, scale_k, lo_v, scale_v as [64, 8] (column block j: slice t * packed + j).
+        meta = [[by_block([plgpu.load(meta_smem.at[slot, k, t * packed + j], layout=row).astype(jnp.float32)
+                           for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
 
         def qk(*acc_refs):
-            """The 4 slices' K products, issued back to back, waited on once."""
-            for s, acc_ref in enumerate(acc_refs):
-                a_k = _slice_tile(packed_k, s, interpret=interpret)
-                if interpret:  # interpreter only (A from shared memory; its MMAs are synchronous)
-                    a_smem.at[0][...] = a_k
-                    plgpu.commit_smem()
-                    a_k = a_smem.at[0]
-                plgpu.wgmma(acc_ref, a_k, q_smem.T)
+            """Per tile: its slices' codes times q_hi and times q_lo placed in the slice's column
+            block (int8 MMAs into one accumulator pair per tile), waited on once."""
+            for t in range(n_tiles):
+                for j in range(packed):
+                    a_k = a_operand(packed_k, t * packed + j, stage_k)
+                    plgpu.wgmma(acc_refs[2 * t], a_k, q_smem.at[j].T)
+                    plgpu.wgmma(acc_refs[2 * t + 1], a_k, q_smem.at[packed + j].T)
             return [acc_ref[...] for acc_ref in acc_refs]
 
-        scores = []
-        for s, raw in enumerate(pl.run_scoped(qk, *[plgpu.ACC(tile, jnp.float32)] * _TPB)):
-            lo_k, scale_k = meta[s][0], meta[s][1]
-            sc = by_row(scale_k) * (raw - q_offset) + by_row(lo_k) * q_sum
-            scores.append(jnp.where(fresh & (_TPB * (r0 + row_ids) + s < n_hist), sc, -jnp.inf))
-        # One cross-warp reduction per step: the running max over the 4 slices' tokens.
-        m_new = jnp.maximum(m, functools.reduce(jnp.maximum, scores).max(axis=0))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_use)
-        l_part, lo_part = l_part * by_col(alpha), lo_part * by_col(alpha)
-        acc = acc * by_col(alpha, (head_dim, _N))
+        with jax.named_scope("qk"):
+            raws = pl.run_scoped(qk, *[plgpu.ACC(tile, jnp.int32)] * (2 * n_tiles))
+        with jax.named_scope("softmax"):
+            scores = []
+            for t in range(n_tiles):
+                lo_k, scale_k = meta[t][0], meta[t][1]
+                raw = (raws[2 * t] * int(_Q_LO) + raws[2 * t + 1]).astype(jnp.float32)
+                sc = scale_k * (q_step * raw) + lo_k * q_sum
+                token = _TPB * (r0 + row_ids) + t * packed + col_block
+                scores.append(jnp.where(fresh & (token < n_hist), sc, -jnp.inf))
+            m_new = jnp.maximum(m, functools.reduce(jnp.maximum, scores).max(axis=0))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_use)
+            probs = [jnp.exp2(sc - by_col(m_use)) for sc in scores]
+            weights = [p * meta[t][3] for t, p in enumerate(probs)]
+            w_max = functools.reduce(jnp.maximum, weights).max(axis=0)
+        with jax.named_scope("w_store"):
+            w_inv = jnp.where(w_max > 0, _W_MAX / jnp.where(w_max > 0, w_max, 1.0), 0.0)
+            w_step = w_max * (1.0 / (_W_MAX * _W_LO))  # one unit of 254 w_hi + w_lo
+            w_tiles, w_errors = [], []
+            for w in weights:  # B operands of the V products, K-major [2, 8, 64] int8 per slice
+                x = w * by_col(w_inv)
+                w_hi = jnp.round(x)
+                w_lo = jnp.round((x - w_hi) * _W_LO)
+                for j in range(packed):  # slice t * packed + j: its column block, zeros elsewhere
+                    keep = col_block == j
+                    w_tiles += [jnp.where(keep, w_hi, 0.0).astype(jnp.int32),
+                                jnp.where(keep, w_lo, 0.0).astype(jnp.int32)]
+                w_errors.append(w - (w_hi * _W_LO + w_lo) * by_col(w_step))
+            _store_weights(w_smem, w_tiles, interpret=interpret)
+            plgpu.commit_smem()
 
-        def pv_mma(acc_ref):
-            """Σ_s (V_s)^T (p_s ∘ scale_v): two staging buffers, one MMA left in flight while
-            the next slice is unpacked and stored."""
-            sums = []
+        def pv(acc_hi, acc_lo):
             for s in range(_TPB):
-                lo_v, scale_v = meta[s][2], meta[s][3]
-                p = jnp.exp(scores[s] - by_col(m_use))
-                pv = (p * by_row(scale_v)).astype(jnp.bfloat16)
-                sums.append((p, p * by_row(lo_v) - _OFFSET * pv.astype(jnp.float32)))
-                buf = s % 2  # read by the MMA of slice s - 2, finished by the wait below
-                a_smem.at[buf][...] = _slice_tile(packed_v, s, interpret=interpret)
-                p_smem.at[buf].T[...] = pv
-                plgpu.commit_smem()
-                plgpu.wgmma(acc_ref, a_smem.at[buf].T, p_smem.at[buf].T)
-                plgpu.wgmma_wait(1)
-            return acc_ref[...], sums
+                a_v = a_operand(packed_v, s, stage_v)
+                plgpu.wgmma(acc_hi, a_v, w_smem.at[s, 0].T)
+                plgpu.wgmma(acc_lo, a_v, w_smem.at[s, 1].T)
+            return acc_hi[...], acc_lo[...]
 
-        # A fresh accumulator per step (the GPU interpreter has no rule for run_state).
-        pv_sum, sums = pl.run_scoped(pv_mma, plgpu.ACC((head_dim, _N), jnp.float32))
-        acc = acc + pv_sum
-        for p, lo_term in sums:  # per-token partial sums, reduced over tokens once at the end
-            l_part, lo_part = l_part + p, lo_part + lo_term
+        with jax.named_scope("pv"):
+            pv_hi, pv_lo = pl.run_scoped(pv, *[plgpu.ACC((head_dim, _N), jnp.int32)] * 2)
+        pv_raw = (pv_hi * int(_W_LO) + pv_lo).astype(jnp.float32)
+        acc = acc * by_col(alpha, (head_dim, _N)) + pv_raw * by_col(w_step, (head_dim, _N))
+        l_part, lo_part = l_part * by_col(alpha), lo_part * by_col(alpha)
+        for t, p in enumerate(probs):  # per-token partial sums, reduced over tokens once at the end;
+            l_part = l_part + p        # the rounding of w is charged to code - 1.5
+            lo_part = lo_part + p * meta[t][2] + _CODE_MID * w_errors[t]
         return acc, m_new, l_part, lo_part
 
-    wgmma_tile = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    init = (wgmma_tile((head_dim, _N)), plgpu.layout_cast(jnp.full((_N,), -jnp.inf, jnp.float32), col),
+    wgmma_tile = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
+    init = (wgmma_tile((head_dim, _N)),
+            plgpu.layout_cast(jnp.full((_N,), -jnp.inf, jnp.float32), wgmma_layout.reduce(0)),
             wgmma_tile(tile), wgmma_tile(tile))
     acc, m, l_part, lo_part = lax.fori_loop(0, steps, step, init)
     l, lo_acc = l_part.sum(axis=0), lo_part.sum(axis=0)
     safe_l = jnp.where(l > 0, l, 1.0)
     o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
-    lse_smem[...] = jnp.where(l > 0, m + jnp.log(safe_l), -jnp.inf)
+    lse_smem[...] = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)  # base 2
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, sp])
@@ -250,16 +301,38 @@ def _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink: int, wi
     return o[:, :, None], lse[:, :, None]
 
 
+def split_query(q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q f32 [..., 8, D] -> (int8 q_hi, int8 q_lo [..., 8, D], q_step f32 [..., 8]) with
+    q ≈ q_step * (256 q_hi + q_lo): |error| <= q_step / 2 (+ a clipped q_lo), i.e. about 16
+    bits relative to max |q| of each row."""
+    peak = jnp.max(jnp.abs(q), axis=-1, keepdims=True)
+    unit = jnp.where(peak > 0, peak / _W_MAX, 1.0)  # q / unit in [-127, 127]
+    x = q / unit
+    hi = jnp.round(x)
+    lo = jnp.clip(jnp.round((x - hi) * _Q_LO), -127, 127)
+    return hi.astype(jnp.int8), lo.astype(jnp.int8), unit[..., 0] / _Q_LO
+
+
+def slices_per_tile(g: int, head_dim: int) -> int:
+    """Token slices whose scores share one [64, 8] tile: each takes a block of 8 / P columns,
+    g padded to a power of two (g = 4: 2 slices, g <= 2: all 4, g > 4: 1). At D = 256 one
+    slice per tile: packing was slower there on the H200 (more live A operands, spills;
+    bench/results/kernels_mgpu_int8_h200.json)."""
+    if head_dim > 128:
+        return 1
+    return min(_TPB, _N // (1 << (g - 1).bit_length()))
+
+
 def supports(spec, c: int, g: int) -> bool:
     """What this kernel handles (a `CacheSpec`, C queries, g query heads per KV head): decode,
     D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata, g <= 8, packed rows a
-    multiple of 8."""
+    multiple of 64."""
     q = spec.quant
     rows = spec.hist_capacity // _TPB
     return (c == 1 and g <= _N and spec.head_dim in (64, 128, 256) and spec.group_size == spec.head_dim
             and q.bits == 2
             and tuple(q.levels) == (0.0, 1.0, 2.0, 3.0) and jnp.dtype(q.jnp_scale_dtype) == jnp.bfloat16
-            and (rows < _ROWS or rows % 8 == 0))
+            and rows % _ROWS == 0)
 
 
 def device_supported() -> bool:
@@ -272,15 +345,15 @@ def device_supported() -> bool:
 def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
-                    interpret: bool = False, target_programs: int = 1024, buffers: int = 2):
+                    interpret: bool = False, target_programs: int = 1024, buffers: int = 3):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`.
 
-    q_rot: f32 [B, 1, Hq, D]; codes uint8 [B, Hkv, T_hist/4, D]; lo/scale bf16
-    [B, Hkv, 1, 4, T_hist/4]; sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B].
-    Returns (o_rot f32 [B, 1, Hq, D], lse f32 [B, 1, Hq]). target_programs: history
-    splits are chosen for about this many programs (2 fit per H200 SM by registers).
-    buffers: TMA pipeline depth; on the H200 3 and 4 were slower than 2 (fewer programs
-    fit per SM), see bench/results/kernels_mgpu_ab_h200.json.
+    q_rot: f32 [B, 1, Hq, D]; hist_codes_k uint8 [B, Hkv, T_hist/4, D]; hist_codes_v uint8
+    [B, Hkv, D, T_hist/4] (channel-major); lo/scale bf16 [B, Hkv, 1, 4, T_hist/4];
+    sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B]. Returns (o_rot f32
+    [B, 1, Hq, D], lse f32 [B, 1, Hq]). target_programs: history splits are chosen for
+    about this many programs. buffers: TMA pipeline depth (3 was faster than 2 at D = 128 in
+    each of three H200 runs).
     """
     b, c, hq, d = q_rot.shape
     hkv = sink_k.shape[1]
@@ -291,50 +364,66 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         raise ValueError(f"q_rot.shape={q_rot.shape}, groups={hist_lo_k.shape[2]}, bits={bits}, "
                          f"metadata {hist_lo_k.dtype}: this kernel needs C=1, g<=8, D in (64, 128, 256), G=D, "
                          "uniform 2-bit codes and bf16 metadata")
+    if hist_codes_v.shape != (b, hkv, d, rows):
+        raise ValueError(f"hist_codes_v.shape={hist_codes_v.shape}: expected channel-major "
+                         f"[B={b}, Hkv={hkv}, D={d}, T_hist/4={rows}]")
+    if rows % _ROWS:
+        raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: T_hist/4 must be a multiple of {_ROWS} "
+                         "(whole TMA tiles; CacheSpec allocates the history in 256-token tiles)")
     q = (q_rot[:, 0].astype(jnp.float32) * softmax_scale).reshape(b, hkv, g, d)
-    q8 = jnp.pad(q, ((0, 0), (0, 0), (0, _N - g), (0, 0)))
-    order = channel_order(d)  # the MMA's channel order (`_slice_tile`)
-    q_bf = q8[..., order].astype(jnp.bfloat16)
+    packed = slices_per_tile(g, d)
+    cols = _N // packed  # query columns per slice: g padded
+    # Column c of the MMA's N = 8 is query c % cols of slice block c // cols (scores in base 2).
+    q_cols = jnp.tile(jnp.pad(q * _LOG2E, ((0, 0), (0, 0), (0, cols - g), (0, 0))), (1, 1, packed, 1))
+    q_hi, q_lo, q_step = split_query(q_cols)
+    block = np.arange(_N) // cols  # [8]: the column block of each column
+    in_block = jnp.asarray(block[None, :] == np.arange(packed)[:, None])[:, :, None]  # [P, 8, 1]
+    q_blocks = jnp.stack([jnp.where(in_block, x[:, :, None], 0) for x in (q_hi, q_lo)], axis=2)
+    q_sum = jnp.sum(q_cols, axis=-1)
+    qcol = jnp.broadcast_to(jnp.stack([q_step, q_sum], axis=2)[:, :, :, None, :], (b, hkv, 2, _ROWS, _N))
     n_hist = jnp.clip(lengths.astype(jnp.int32) - window - sink, 0, rows * _TPB)
 
-    codes = [hist_codes_k, hist_codes_v]
+    codes_k, codes_v = hist_codes_k, hist_codes_v
     meta = [x.reshape(b, hkv, _TPB, rows) for x in (hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v)]
-    if rows >= _ROWS and rows % 8:
-        raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: TMA needs 16-byte metadata rows, "
-                         "i.e. T_hist/4 a multiple of 8 (choose max_len - sink - window a multiple of 32)")
     if rows < _ROWS:  # tiny caches only: every tile must fit inside the arrays
-        codes = [jnp.pad(x, ((0, 0), (0, 0), (0, _ROWS - rows), (0, 0))) for x in codes]
+        codes_k = jnp.pad(codes_k, ((0, 0), (0, 0), (0, _ROWS - rows), (0, 0)))
+        codes_v = jnp.pad(codes_v, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows)))
         meta = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows))) for x in meta]
     hist_rows = max(rows, _ROWS)
     tiles = -(-hist_rows // _ROWS)
     split_rows = _ROWS * -(-tiles // max(1, min(tiles, -(-target_programs // (b * hkv)))))
     num_splits = -(-hist_rows // split_rows)
 
-    swizzled = lambda minor_bytes: (plgpu.TilingTransform((8, minor_bytes)), plgpu.SwizzleTransform(128))
-    codes_tiling = (plgpu.TilingTransform((8, min(d, 128))), plgpu.SwizzleTransform(min(d, 128)))
+    scratch = dict(
+        q_smem=plgpu.SMEM((2 * packed, _N, d), jnp.int8, transforms=_int8_tiles(d)),  # [hi, lo] x blocks
+        qcol_smem=plgpu.SMEM((2, _ROWS, _N), jnp.float32),
+        ck_smem=plgpu.SMEM((buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
+        cv_smem=plgpu.SMEM((buffers, d, _ROWS), jnp.uint8, transforms=_int8_tiles(_ROWS)),
+        meta_smem=plgpu.SMEM((buffers, 4, _TPB, _ROWS), jnp.bfloat16),
+        w_smem=plgpu.SMEM((_TPB, 2, _N, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS)),
+        o_smem=plgpu.SMEM((d, _N), jnp.float32),
+        lse_smem=plgpu.SMEM((_N,), jnp.float32),
+        q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        tile_bars=plgpu.Barrier(num_arrivals=_COPIES, num_barriers=buffers))
+    if interpret:  # A operands staged in shared memory
+        scratch["stage_k"] = plgpu.SMEM((_TPB, _ROWS, d), jnp.int8, transforms=_int8_tiles(d))
+        scratch["stage_v"] = plgpu.SMEM((_TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, head_dim=d,
+        functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, head_dim=d, packed=packed,
                           buffers=buffers, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits, d, _N), jnp.float32),
                   jax.ShapeDtypeStruct((b, hkv, num_splits, _N), jnp.float32)],
-        scratch_types=[plgpu.SMEM((_N, d), jnp.bfloat16, transforms=swizzled(64)),
-                       plgpu.SMEM((buffers, _ROWS, d), jnp.uint8, transforms=codes_tiling),  # 8-row tiles:
-                       plgpu.SMEM((buffers, _ROWS, d), jnp.uint8, transforms=codes_tiling),  # r0 % 8 == 0
-                       plgpu.SMEM((buffers, 4, _TPB, _ROWS), jnp.bfloat16),
-                       plgpu.SMEM((2, _ROWS, d), jnp.bfloat16, transforms=swizzled(64)),
-                       plgpu.SMEM((2, _N, _ROWS), jnp.bfloat16, transforms=swizzled(64)),
-                       plgpu.SMEM((d, _N), jnp.float32),
-                       plgpu.SMEM((_N,), jnp.float32),
-                       plgpu.Barrier(num_barriers=1),
-                       plgpu.Barrier(num_arrivals=_COPIES, num_barriers=buffers)],
+        scratch_types=scratch,
         grid=(b, hkv, num_splits),
         grid_names=("b", "h", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    o_t, lse_h = kernel(n_hist, q_bf, *codes, *meta)
-    o_h = jnp.swapaxes(o_t, -1, -2)[..., :g, np.argsort(order)]  # [B, Hkv, S, g, D]
+    q_blocks = q_blocks.astype(jnp.int8).reshape(b, hkv, 2 * packed, _N, d)
+    o_t, lse2 = kernel(n_hist, q_blocks, qcol, codes_k, codes_v, *meta)
+    # Each (split, column block) is one partial softmax of queries 0..g-1.
+    o_h = jnp.swapaxes(o_t, -1, -2).reshape(b, hkv, num_splits * packed, cols, d)[..., :g, :]
+    lse_h = lse2.reshape(b, hkv, num_splits * packed, cols)[..., :g] / _LOG2E  # natural log
     o_d, lse_d = _dense_partial(q, sink_k, sink_v, recent_k, recent_v, lengths, sink, window)
-    o, lse = merge_splits(jnp.concatenate([o_h, o_d], axis=2),
-                          jnp.concatenate([lse_h[..., :g], lse_d], axis=2))
+    o, lse = merge_splits(jnp.concatenate([o_h, o_d], axis=2), jnp.concatenate([lse_h, lse_d], axis=2))
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
