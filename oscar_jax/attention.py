@@ -163,9 +163,9 @@ register("pallas", kernel_attend(_gpu_attention.mixed_attention),
 
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
 
-# On the H200 (int8 MMAs; bench/results/kernels_mgpu_int8_h200.json) it beat the Triton
-# kernel at D = 128 (B8 H32/8: 0.53 vs 0.76 ms at 128K, 0.24 vs 0.32 ms at 32K) and
-# D = 256 (Gemma-3 B8 32K: 0.14 vs 0.15 ms), and lost at D = 64 (SmolLM2 B8 8K: 0.082 vs 0.062).
+# On the H200 (bench/results/kernels_h200.json, one run) it beat the Triton kernel at D = 128
+# (B8 H32/8: 0.49 vs 0.98 ms at 128K, 0.26 vs 0.38 ms at 32K) and D = 256 (Gemma-3 B8 32K:
+# 0.17 vs 0.19 ms), and lost at D = 64 (SmolLM2 B8 8K: 0.093 vs 0.080).
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
                                                 and _mgpu_attention.device_supported()),

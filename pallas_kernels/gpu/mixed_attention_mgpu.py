@@ -5,11 +5,12 @@ Both products run on the tensor cores' int8 path (wgmma s8·s8 -> s32), straight
   scores^T [64, 8] = code_s [64, D] @ (256 q_hi + q_lo)^T            (two s8 MMAs)
   scores = scale_s * (q_step * raw) + lo_s * Σq                        (per token, per query)
   online softmax over tokens, in base 2 (log2 e is folded into q)
-  out^T [D, 8] += vcode_s^T [D, 64] @ w8_s [64, 8],  w = p ∘ vscale_s  (one s8 MMA)
-where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (~16 bits of q, finer than bf16),
-and w8 = round(127 w / max w) per step and query column (the step's max over its 256
-tokens, so a tile of small probabilities keeps its full 7-bit resolution). Σ p·lo is kept
-per token and reduced once at the end.
+  out^T [D, 8] += vcode_s^T [D, 64] @ (254 w_hi + w_lo)_s [64, 8]     (two s8 MMAs)
+where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (~16 bits of q, finer than bf16)
+and w = p ∘ vscale_s ≈ (max w / 127) * (w_hi + w_lo / 254) per step and query column (the
+step's max over its 256 tokens, so a step of small probabilities keeps its resolution).
+Σ p·lo is kept per token and reduced once at the end; the rounding error of w is charged
+there to code - 1.5 rather than to code (uncentred, it cancelled badly against Σ p·lo).
 
 Code tiles never pass through a float: token slice s of a packed 32-bit word is
 `(word >> 2s) & 0x03030303`, four int8 codes, which is one A-operand register of the
@@ -18,6 +19,10 @@ cache's key layout), so a slice gives 4 channels of one token; on the V side the
 stores codes channel-major ([D, T_hist/4]: a word holds 16 tokens of one channel), so a
 slice gives 4 tokens of one channel, the K-major A operand of V^T·w (int8 wgmma takes
 both operands K-major only, which is why the V codes are stored transposed).
+
+With g <= 4 (at D <= 128) several token slices share one [64, 8] score tile, each in its
+own block of columns (`slices_per_tile`): q sits block-diagonally in the B operand, and
+each column block is one more partial softmax for the merge, so padding columns do no work.
 
 One program per (batch row, KV head, history split), one warpgroup; each step moves 64
 packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their metadata into
@@ -28,7 +33,7 @@ Scope (`supports`): C = 1, D = G in {64, 128, 256}, uniform 2-bit codes, bf16 me
 g <= 8, packed history rows a multiple of 64 (whole TMA tiles; `CacheSpec` allocates the
 history in 256-token tiles).
 In interpret mode (CPU) the A operands are staged in shared memory (the GPU interpreter
-takes no register operands) and the unpacking uses array ops.
+takes no register operands), and the unpacking and the transposed store use array ops.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from jaxlib.mlir.dialects import arith, llvm, vector
 from .mixed_attention import merge_splits
 
 _ROWS = 64  # packed rows per step: one m64 MMA tile per token slice
-_N = 8  # query columns: g heads padded to the smallest MMA N
+_N = 8  # query columns (the smallest MMA N): g heads of one or more token slices
 _TPB = 4  # tokens per packed byte (2-bit codes)
 _COPIES = 6  # TMA copies per step: K codes, V codes, lo/scale of K and of V
 _Q_LO = 256.0  # q ≈ q_step * (256 q_hi + q_lo)
