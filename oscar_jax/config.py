@@ -19,7 +19,7 @@ ScaleDtype = Literal["bfloat16", "float32"]
 # (DESIGN §1.2): the span is mu +- LLOYD_MAX_SPAN * sigma (times the clip ratio).
 LLOYD_MAX_LEVELS = (0.0, 1.05, 1.95, 3.0)
 LLOYD_MAX_SPAN = 1.51
-HIST_TILE = 256  # tokens: the quantised history is allocated in whole tiles of this many
+HIST_TILE = 256  # tokens: a history longer than this is allocated in whole tiles of it
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -95,7 +95,7 @@ class CacheSpec:
 
     Positions [0, sink) live in the bf16 sink, the last `window` positions in
     the bf16 recent ring, and everything between in the quantised history of
-    `hist_capacity >= max_len - sink - window` tokens (whole `HIST_TILE`s).
+    `hist_capacity >= max_len - sink - window` tokens (whole `HIST_TILE`s when longer).
     """
 
     num_layers: int
@@ -127,11 +127,13 @@ class CacheSpec:
 
     @property
     def hist_capacity(self) -> int:
-        """History tokens: max_len - sink - window rounded up to whole tiles of HIST_TILE
-        tokens (64 packed rows of 2-bit codes, the unit the Mosaic GPU kernel moves with TMA;
-        at most 255 tokens of slack per sequence)."""
+        """History tokens: max_len - sink - window, rounded up to whole tiles of HIST_TILE
+        tokens when longer than one (64 packed rows of 2-bit codes, the unit the Mosaic GPU
+        kernel moves with TMA; at most 255 tokens of slack per sequence), else to whole bytes
+        of packed codes (the kernel pads such short histories itself)."""
         n = self.max_len - self.sink - self.window
-        return -(-n // HIST_TILE) * HIST_TILE
+        unit = HIST_TILE if n > HIST_TILE else self.quant.tokens_per_byte
+        return -(-n // unit) * unit
 
     @property
     def num_groups(self) -> int:

@@ -153,7 +153,7 @@ def test_history_byte_layout_after_write_prompt_and_appends():
     def check(cache):
         n_hist = np.asarray(cache.lengths) - s0 - w
         stored = {"k": np.asarray(cache.hist_codes_k), "v": np.asarray(cache.hist_codes_v)}
-        rows = spec.hist_capacity // 4  # 32 history tokens, allocated as one 256-token tile
+        rows = spec.hist_capacity // 4  # 32 history tokens: 8 packed rows
         assert stored["k"].shape == (b, h, rows, d) and stored["v"].shape == (b, h, d, rows)
         for row in range(b):
             for p in range(max(n_hist[row], 0)):  # history index p = position s0 + p

@@ -30,8 +30,8 @@ shared memory with TMA, `buffers` steps deep. The bf16 sink and recent ring (S0 
 tokens) are attended in XLA and merged with the history splits by log-sum-exp.
 
 Scope (`supports`): C = 1, D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata,
-g <= 8, packed history rows a multiple of 64 (whole TMA tiles; `CacheSpec` allocates the
-history in 256-token tiles).
+g <= 8, packed history rows fewer than 64 (padded here) or a multiple of 64 (whole TMA
+tiles; `CacheSpec` allocates a longer history in 256-token tiles).
 In interpret mode (CPU) the A operands are staged in shared memory (the GPU interpreter
 takes no register operands), and the unpacking and the transposed store use array ops.
 """
@@ -331,13 +331,13 @@ def slices_per_tile(g: int, head_dim: int) -> int:
 def supports(spec, c: int, g: int) -> bool:
     """What this kernel handles (a `CacheSpec`, C queries, g query heads per KV head): decode,
     D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata, g <= 8, packed rows a
-    multiple of 64."""
+    multiple of 64 when at least 64."""
     q = spec.quant
     rows = spec.hist_capacity // _TPB
     return (c == 1 and g <= _N and spec.head_dim in (64, 128, 256) and spec.group_size == spec.head_dim
             and q.bits == 2
             and tuple(q.levels) == (0.0, 1.0, 2.0, 3.0) and jnp.dtype(q.jnp_scale_dtype) == jnp.bfloat16
-            and rows % _ROWS == 0)
+            and (rows < _ROWS or rows % _ROWS == 0))
 
 
 def device_supported() -> bool:
@@ -372,9 +372,9 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     if hist_codes_v.shape != (b, hkv, d, rows):
         raise ValueError(f"hist_codes_v.shape={hist_codes_v.shape}: expected channel-major "
                          f"[B={b}, Hkv={hkv}, D={d}, T_hist/4={rows}]")
-    if rows % _ROWS:
+    if rows >= _ROWS and rows % _ROWS:
         raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: T_hist/4 must be a multiple of {_ROWS} "
-                         "(whole TMA tiles; CacheSpec allocates the history in 256-token tiles)")
+                         "(whole TMA tiles; CacheSpec allocates a longer history in 256-token tiles)")
     q = (q_rot[:, 0].astype(jnp.float32) * softmax_scale).reshape(b, hkv, g, d)
     packed = slices_per_tile(g, d)
     cols = _N // packed  # query columns per slice: g padded
