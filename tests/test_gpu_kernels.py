@@ -49,7 +49,7 @@ ATTN_CONFIGS = [
     (256, 1, 7, 256, "lloyd_max", "float32"),
     (256, 3, 64, 128, "uniform", "bfloat16"),
 ]
-N_PATTERNS = 14
+N_PATTERNS = 11  # one batch led by each of the 11 boundary lengths (random lengths fill the rest)
 
 
 def _spec(d, g_size, codebook, scale_dtype, *, batch=BATCH, sink=SINK, window=WINDOW, hist=HIST,
