@@ -109,11 +109,9 @@ def unrolled(op):
 
 def empty_layer(batch: int, seq: int, kv_heads: int, d: int):
     """An empty OSCAR cache layer for `seq` tokens (S0 = 64, W = 256, 2-bit, G = D) and its
-    LayerParams (one random rotation for K and V). History capacity >= seq + 1 - S0 - W
-    tokens, rounded to 64 (packed rows a multiple of 16, which the Mosaic GPU kernel's TMA
-    of 16-byte rows of channel-major V codes needs)."""
-    spec = CacheSpec(1, batch, kv_heads, d, 64 + 256 + -(-(seq + 1 - 64 - 256) // 64) * 64, 64, 256,
-                     QuantConfig(2))
+    LayerParams (one random rotation for K and V). Room for seq + 1 tokens (CacheSpec rounds
+    the history up to whole 256-token tiles)."""
+    spec = CacheSpec(1, batch, kv_heads, d, seq + 1, 64, 256, QuantConfig(2))
     rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0], jnp.float32)
     params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=kv_heads).layer(0)
     return cache_lib.OscarCache.init(spec).layer(0), params

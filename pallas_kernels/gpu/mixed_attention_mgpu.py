@@ -184,10 +184,10 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
         pl.when(j < steps)(functools.partial(issue, j, j))
 
-    def a_operand(packed, s, stage):
-        """Slice s of a packed tile as an MMA A operand: registers when compiled; staged in
-        shared memory when interpreted (the GPU interpreter takes no register operands)."""
-        x = _slice_codes(packed, s, interpret=interpret)
+    def a_operand(codes, s, stage):
+        """Slice s of a packed code tile as an MMA A operand: registers when compiled; staged
+        in shared memory when interpreted (the GPU interpreter takes no register operands)."""
+        x = _slice_codes(codes, s, interpret=interpret)
         if not interpret:
             return x
         stage.at[s][...] = x
@@ -240,7 +240,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             w_inv = jnp.where(w_max > 0, _W_MAX / jnp.where(w_max > 0, w_max, 1.0), 0.0)
             w_step = w_max * (1.0 / (_W_MAX * _W_LO))  # one unit of 254 w_hi + w_lo
             w_tiles, w_errors = [], []
-            for w in weights:  # B operands of the V products, K-major [2, 8, 64] int8 per slice
+            for t, w in enumerate(weights):  # B operands of the V products, K-major [2, 8, 64] int8
                 x = w * by_col(w_inv)
                 w_hi = jnp.round(x)
                 w_lo = jnp.round((x - w_hi) * _W_LO)
@@ -424,7 +424,7 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    q_blocks = q_blocks.astype(jnp.int8).reshape(b, hkv, 2 * packed, _N, d)
+    q_blocks = q_blocks.reshape(b, hkv, 2 * packed, _N, d)  # [hi blocks, lo blocks]
     o_t, lse2 = kernel(n_hist, q_blocks, qcol, codes_k, codes_v, *meta)
     # Each (split, column block) is one partial softmax of queries 0..g-1.
     o_h = jnp.swapaxes(o_t, -1, -2).reshape(b, hkv, num_splits * packed, cols, d)[..., :g, :]
