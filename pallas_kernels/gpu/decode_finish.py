@@ -1,0 +1,163 @@
+"""The end of a split decode: bf16 sink + recent attention and the log-sum-exp merge, in one kernel.
+
+Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
+
+The Mosaic GPU decode kernel (`mixed_attention_mgpu`) leaves, per (batch row, KV head),
+S history partials of 8 columns each: column c of a partial belongs to query c % cols
+(column blocks of packed token slices). One program per (batch row, KV head) attends its g
+queries to the bf16 sink and recent ring and merges that partial with the history ones:
+one launch where XLA took about 20 small ops (concatenations, transposes, reductions).
+
+Precision: q and p enter the MMAs as two bf16 parts each (hi + lo, ~16 bits); the merge is
+in f32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_LN2 = math.log(2.0)
+_DENSE_BLOCK = 64  # bf16 tokens per step
+_CHUNK_ELEMENTS = 8192  # f32 elements of history partials merged per step ([8192 / D, D] rows)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_out_ref, *,
+            g: int, cols: int, splits: int, sink: int, window: int, interpret: bool):
+    b, h = pl.program_id(0), pl.program_id(1)
+    gq, d = o_ref.shape
+    n = n_ref[b]
+    qrow = jnp.arange(gq)
+    dcol = jnp.arange(d)
+    if interpret:  # XLA:CPU may accumulate bf16 dots in bf16; the GPU MMA uses f32
+        dot = lambda a, x, dims: lax.dot_general(a.astype(jnp.float32), x.astype(jnp.float32), (dims, ((), ())),
+                                                 precision=lax.Precision.HIGHEST)
+    else:
+        dot = lambda a, x, dims: lax.dot_general(a, x, (dims, ((), ())), preferred_element_type=jnp.float32)
+
+    # bf16 segments: sink (positions 0..S0-1) and the recent ring (slot j holds the newest
+    # position p < n with (p - S0) % W == j; cache.ring_positions restated), natural base.
+    q = plgpu.load(q_ref.at[b, h, jnp.minimum(qrow, g - 1)[:, None], dcol[None, :]],
+                   mask=(qrow < g)[:, None], other=0.0)
+    q_hi, q_lo = _split_bf16(q)
+    wrap = window * (-(-(sink + window) // window) + 1)  # keeps the rem argument >= 0
+
+    def segment(k_ref, v_ref, size, positions, carry):
+        """Online softmax over one bf16 segment in blocks of _DENSE_BLOCK tokens."""
+        def step(i, carry):
+            m, l, acc = carry
+            j = i * _DENSE_BLOCK + jnp.arange(_DENSE_BLOCK)
+            ok = j < size
+            pos = positions(j)
+            visible = ok & (pos >= 0) & (pos < n)
+            idx = (b, h, jnp.minimum(j, size - 1)[:, None], dcol[None, :])
+            k = plgpu.load(k_ref.at[idx], mask=ok[:, None], other=0.0)
+            s = dot(q_hi, k, ((1,), (1,))) + dot(q_lo, k, ((1,), (1,)))  # [GQ, block]
+            s = jnp.where(visible[None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp(m - m_use)
+            p = jnp.exp(s - m_use[:, None])
+            p_hi, p_lo = _split_bf16(p)
+            v = plgpu.load(v_ref.at[idx], mask=ok[:, None], other=0.0)
+            pv = dot(p_hi, v, ((1,), (0,))) + dot(p_lo, v, ((1,), (0,)))
+            return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+        return lax.fori_loop(0, -(-size // _DENSE_BLOCK), step, carry)
+
+    def ring_positions(j):
+        pos = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
+        return jnp.where((pos >= sink) & (pos >= n - window), pos, -1)
+
+    dense = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32), jnp.zeros((gq, d), jnp.float32))
+    if sink:
+        dense = segment(sk_ref, sv_ref, sink, lambda j: j, dense)
+    m_d, l_d, o_d = segment(rk_ref, rv_ref, window, ring_positions, dense)
+    m_du = jnp.where(m_d == -jnp.inf, 0.0, m_d)
+
+    # History partials, base 2: rows r = 8 s + c of a chunk of splits, merged online as one
+    # [GQ, R] weight matrix (query i takes the columns c with c % cols == i) times [R, D].
+    chunk = max(1, _CHUNK_ELEMENTS // (8 * d))  # splits per step
+    r = jnp.arange(8 * chunk)
+    col = r % 8
+    mine = (col % cols)[None, :] == qrow[:, None]  # [GQ, R]
+
+    def merge(i, carry):
+        m, l, acc = carry
+        s_idx = i * chunk + r // 8
+        ok = s_idx < splits
+        s_safe = jnp.minimum(s_idx, splits - 1)
+        lse = plgpu.load(lse_ref.at[b, h, s_safe, col], mask=ok, other=-jnp.inf)  # [R]
+        o = plgpu.load(ot_ref.at[b, h, s_safe[:, None], dcol[None, :], col[:, None]],
+                       mask=ok[:, None], other=0.0)  # [R, D]
+        lse_q = jnp.where(mine, lse[None, :], -jnp.inf)  # [GQ, R]
+        m_new = jnp.maximum(m, jnp.max(lse_q, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        w = jnp.exp2(lse_q - m_use[:, None])  # 0 off a query's columns
+        pw = lax.dot_general(w, o, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST)  # f32 FMAs
+        return m_new, l * alpha + jnp.sum(w, axis=1), acc * alpha[:, None] + pw
+
+    init = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32),
+            jnp.zeros((gq, d), jnp.float32))
+    m_h, l_h, acc_h = lax.fori_loop(0, -(-splits // chunk), merge, init)
+
+    # Merge the two: history (base 2, sums of normalised partials) and bf16 (natural base).
+    lse_h = jnp.where(l_h > 0, (m_h + jnp.log2(jnp.where(l_h > 0, l_h, 1.0))) * _LN2, -jnp.inf)
+    lse_d = jnp.where(l_d > 0, m_du + jnp.log(jnp.where(l_d > 0, l_d, 1.0)), -jnp.inf)
+    lse = jnp.maximum(lse_h, lse_d)
+    top = jnp.where(lse == -jnp.inf, 0.0, lse)
+    w_h = jnp.where(l_h > 0, jnp.exp(lse_h - top) / jnp.where(l_h > 0, l_h, 1.0), 0.0)
+    w_d = jnp.where(l_d > 0, jnp.exp(lse_d - top) / jnp.where(l_d > 0, l_d, 1.0), 0.0)
+    total = jnp.where(l_h > 0, jnp.exp(lse_h - top), 0.0) + jnp.where(l_d > 0, jnp.exp(lse_d - top), 0.0)
+    safe = jnp.where(total > 0, total, 1.0)
+    o_ref[...] = (acc_h * w_h[:, None] + o_d * w_d[:, None]) / safe[:, None]
+    lse_out_ref[...] = jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
+
+
+def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, cols: int,
+                  sink: int, window: int, interpret: bool = False):
+    """Attend the bf16 segments and merge them with the history partials.
+
+    q: f32 [B, Hkv, g, D] (softmax scale folded in, natural base); o_t: f32 [B, Hkv, S, D, 8]
+    normalised history partials, column c for query c % cols; lse2: f32 [B, Hkv, S, 8] their
+    log-sum-exp in base 2 (-inf: nothing seen); sink_k/v bf16 [B, Hkv, S0, D]; recent_k/v
+    bf16 [B, Hkv, W, D]; lengths int32 [B]. Returns (o f32 [B, Hkv, g, D], lse f32 [B, Hkv, g],
+    natural base).
+    """
+    b, hkv, g, d = q.shape
+    splits = o_t.shape[2]
+    if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= cols <= 8:
+        raise ValueError(f"o_t.shape={o_t.shape}, lse2.shape={lse2.shape}, g={g}, cols={cols}: expected "
+                         f"[B={b}, Hkv={hkv}, S, D={d}, 8], [B, Hkv, S, 8] and g <= cols <= 8")
+    gq = _pow2(g)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, gq, d), jnp.float32), jax.ShapeDtypeStruct((b, hkv, gq), jnp.float32)]
+    arrays = (lengths.astype(jnp.int32), q, o_t, lse2, sink_k, sink_v, recent_k, recent_v)
+    o, lse = pl.pallas_call(
+        functools.partial(_kernel, g=g, cols=cols, splits=splits, sink=sink, window=window, interpret=interpret),
+        grid=(b, hkv),
+        in_specs=[full(x) for x in arrays],
+        out_specs=[pl.BlockSpec((None, None, gq, d), lambda i, j: (i, j, 0, 0)),
+                   pl.BlockSpec((None, None, gq), lambda i, j: (i, j, 0))],
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="oscar_decode_finish",
+    )(*arrays)
+    return o[:, :, :g], lse[:, :, :g]
