@@ -99,9 +99,10 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendF
     def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None):
         spec = cache.spec
         hi = jax.lax.Precision.HIGHEST
-        g = q.shape[2] // spec.kv_heads
-        rot_k = jnp.repeat(params.query_rot, g, axis=0)  # [Hq, D, D]
-        q_rot = jnp.einsum("bchd,hde->bche", q.astype(jnp.float32), rot_k, precision=hi)
+        b, c, hq, d = q.shape
+        heads = (b, c, spec.kv_heads, hq // spec.kv_heads, d)  # query head h * g + i of KV head h
+        q_rot = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
+                           precision=hi).reshape(q.shape)
         scale = spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale
         o_rot, lse = kernel(
             q_rot, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
@@ -111,8 +112,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendF
             softmax_scale=scale, interpret=jax.default_backend() == "cpu",
         )
         if not params.v_folded:
-            rot_v = jnp.repeat(params.output_rot, g, axis=0)
-            o_rot = jnp.einsum("bche,hde->bchd", o_rot, rot_v, precision=hi)
+            o_rot = jnp.einsum("bckge,kde->bckgd", o_rot.reshape(heads), params.output_rot,
+                               precision=hi).reshape(q.shape)
         return o_rot.astype(q.dtype), reference.shift_lse(lse, q, params, scale)
 
     return fn
