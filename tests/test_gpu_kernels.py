@@ -261,10 +261,16 @@ def test_triton_kernels_lower_for_cuda(d, g, c):
     writes = [functools.partial(quantize_pack.quantize_pack, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
                                 group_size=d, span=None, scale_dtype=bf, channel_major=channel_major)
               for channel_major in (False, True)]
+    for fn, fn_args in ((attend, args), *((w, write_args) for w in writes)):
+        _lower_for_h200(fn, fn_args)
+
+
+def _lower_for_h200(fn, args):
+    """Lower fn(*args) (ShapeDtypeStructs) for an H200 without a GPU: Pallas' Triton and Mosaic
+    GPU lowering rules run (layouts, shapes, wgmma and TMA checks), nothing is compiled."""
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=1, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        for fn, fn_args in ((attend, args), *((w, write_args) for w in writes)):
-            jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 # ---------------------------------------------------------------------------------------
@@ -346,7 +352,8 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128_and_256(monkeypa
 
 
 def test_mgpu_lowers_for_cuda():
-    """B8 H32/8 at 32K: Mosaic GPU's layout inference, wgmma and TMA checks for sm_90."""
+    """B8 H32/8 at 32K: Mosaic GPU's layout inference, wgmma and TMA checks for sm_90, and the
+    Triton lowering of decode_finish."""
     b, hkv, g, d, rows, sink, window = 8, 8, 4, 128, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
@@ -356,7 +363,7 @@ def test_mgpu_lowers_for_cuda():
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
     fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
                            levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False)
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    _lower_for_h200(fn, args)
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,6 +395,18 @@ def test_attention_on_gpu_real_windows(d, g, c):
 @pytest.mark.parametrize("case", MGPU_CASES, ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c))
 def test_mgpu_attention_on_gpu(case):
     test_mgpu_attention_matches_reference(case, 9)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d,g", [(128, 4), (256, 4), (64, 3)])
+def test_mgpu_attention_on_gpu_real_windows(d, g):
+    """Production sink/window (64/256: decode_finish's bf16 blocks at full size), a ragged
+    batch over a 2048-token history."""
+    spec = _spec(d, d, "uniform", "bfloat16", sink=64, window=256, hist=2048)
+    rng = np.random.default_rng([d, g])
+    _check_attention(rng, spec, g, 1, np.array([1, 64 + 256 + 1, 1700, spec.max_len], np.int32),
+                     kernel=mixed_attention_mgpu.mixed_attention)
 
 
 @pytest.mark.gpu
