@@ -10,10 +10,13 @@ timed: the Triton one (`mixed_attention`) and, where it applies, the Mosaic GPU 
 (`mixed_attention_mgpu`; a failure to compile is recorded in the row, not raised);
 the ratios are those of the one `attend(implementation="auto")` runs. Also the bulk
 rotate-quantise-pack kernel, and `write_prompt` of a layer through XLA and through
-that kernel. Timing: median of >= 50 repetitions after warm-up,
-device-synchronised; each timed group runs the op over enough distinct input copies
-(>= 3 x L2 in total) that no copy is served from L2, and the group time is divided by
-the number of copies. GB/s counts the bytes each op must read.
+that kernel. Timing: GPU time from a profiler trace (`device_time`: first kernel start to
+last kernel end of a timed group, inter-kernel gaps included, host dispatch not), median
+of >= 50 repetitions after warm-up; torch is timed with CUDA events, which likewise leave
+the host out. Each timed group runs the op over enough distinct input copies (>= 3 x L2
+in total) that no copy is served from L2, and the group time is divided by the number
+of copies. The wall-clock time of each JAX op (host dispatch included) is recorded beside
+it (`*_wall_ms`). GB/s counts the bytes each op must read.
 
 Run on a GPU:  python bench/kernels.py --tune --shapes 2,0,1,3,4,5,6 --out bench/results/kernels_h200.json
 (--tune first sweeps BlockSizes on the first shape and uses the fastest for all.)
@@ -67,7 +70,13 @@ SHAPES = [
 
 
 def time_group(fn, copies, reps: int, warmup: int = 3) -> float:
-    """Median seconds per call of fn over `copies` (a list of argument tuples), device-synchronised."""
+    """GPU seconds per call of fn over `copies` (a list of argument tuples): `device_time`'s span."""
+    return device_time(fn, copies, reps, warmup)["span_ms"] / 1e3
+
+
+def wall_time(fn, copies, reps: int, warmup: int = 3) -> float:
+    """Median wall-clock seconds per call of fn over `copies`, device-synchronised (host dispatch
+    included: ~0.1 ms per call on the H200 for these ops, which a decode loop amortises)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(copies))
     times = []
@@ -76,6 +85,49 @@ def time_group(fn, copies, reps: int, warmup: int = 3) -> float:
         jax.block_until_ready(fn(copies))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) / len(copies)
+
+
+def device_time(fn, copies, reps: int, warmup: int = 3) -> dict:
+    """GPU time per call of fn over `copies`, from a profiler trace (jax.profiler), so host
+    dispatch and synchronisation are left out, as CUDA events leave them out for torch.
+
+    Returns span_ms (first kernel start to last kernel end of a group, median over reps,
+    per copy: inter-kernel gaps included; busy_ms where the groups cannot be told apart,
+    span_measured False), busy_ms (summed kernel time per copy) and kernels (name -> ms
+    per copy, largest first)."""
+    import glob
+    import tempfile
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(copies))
+    trace_dir = tempfile.mkdtemp(prefix="oscar_trace_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(reps):
+            jax.block_until_ready(fn(copies))
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    events = []
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):  # kernels and copies, not the XLA op annotations
+                    events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+    events.sort()
+    if not events:
+        raise RuntimeError("the profiler trace holds no GPU kernel events")
+    n = len(copies)
+    busy_ms = sum(e[1] for e in events) / (reps * n * 1e6)
+    per_rep, rem = divmod(len(events), reps)
+    if rem:  # groups of unequal event counts: no span, the summed kernel time stands in
+        span_ms = busy_ms
+    else:
+        spans = [events[i + per_rep - 1][0] + events[i + per_rep - 1][1] - events[i][0]
+                 for i in range(0, len(events), per_rep)]
+        span_ms = float(np.median(spans)) / (n * 1e6)
+    kernels: dict[str, float] = {}
+    for _, dur, name in events:
+        kernels[name] = kernels.get(name, 0.0) + dur / (reps * n * 1e6)
+    return {"span_ms": span_ms, "busy_ms": busy_ms, "span_measured": not rem,
+            "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
 def torch_time(fn, copies, reps: int, warmup: int = 3) -> float:
@@ -160,13 +212,17 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
     used = blocks or mixed_attention.BlockSizes.default(shape.head_dim, 4 * (shape.q_heads // shape.kv_heads))
     row = {"shape": dataclasses.asdict(shape), "bits_per_element": bits_per_element(cache.spec, shape.seq),
            "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes, "block_sizes": dataclasses.asdict(used)}
-    t = time_group(unrolled(lambda qq, c: fn(qq, c, params)), oscar_copies, reps)
+    run = unrolled(lambda qq, c: fn(qq, c, params))
+    t = time_group(run, oscar_copies, reps)
+    row["oscar_wall_ms"] = wall_time(run, oscar_copies, reps) * 1e3
     row["oscar_ms"] = t * 1e3
     row["oscar_GBps"] = oscar_nbytes / t / 1e9
     if mixed_attention_mgpu.supports(cache.spec, 1, shape.q_heads // shape.kv_heads):
         mgpu = attention.kernel_attend(mixed_attention_mgpu.mixed_attention)
         try:
-            t = time_group(unrolled(lambda qq, c: mgpu(qq, c, params)), oscar_copies, reps)
+            run = unrolled(lambda qq, c: mgpu(qq, c, params))
+            t = time_group(run, oscar_copies, reps)
+            row["oscar_mgpu_wall_ms"] = wall_time(run, oscar_copies, reps) * 1e3
             row["oscar_mgpu_ms"] = t * 1e3
             row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
@@ -186,8 +242,9 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
     bf16_copies = [(q, k, v)] + [(q, jnp.copy(k), jnp.copy(v)) for _ in range(n_copies(bf16_nbytes) - 1)]
     for impl in ("cudnn", "xla"):
         try:
-            t = time_group(unrolled(functools.partial(jax.nn.dot_product_attention, implementation=impl)),
-                           bf16_copies, reps)
+            run = unrolled(functools.partial(jax.nn.dot_product_attention, implementation=impl))
+            t = time_group(run, bf16_copies, reps)
+            row[f"jax_{impl}_wall_ms"] = wall_time(run, bf16_copies, reps) * 1e3
             row[f"jax_{impl}_ms"] = t * 1e3
             row[f"jax_{impl}_GBps"] = bf16_nbytes / t / 1e9
         except Exception as e:  # noqa: BLE001 - record why a baseline cannot run here
@@ -274,7 +331,7 @@ def tune_write(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> list[dict]:
     rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((kv_heads, d, d)))[0], jnp.float32)
     nbytes = x[0].size * 2 + x[0].size // 4 + 2 * 2 * batch * seq * kv_heads
     rows = []
-    for block_rows in (16, 32, 64):
+    for block_rows in (16, 32, 64, 128):
         for warps in (4, 8):
             bs = quantize_pack.BlockSizes(block_rows=block_rows, num_warps=warps)
             op = functools.partial(quantize_pack.quantize_pack, rot=rot, clip=0.96, bits=2,
@@ -290,10 +347,12 @@ def markdown(result: dict) -> str:
     lines = [f"Decode attention, C = 1, {result['device']}, jax {result['jax']}, "
              f"torch {result.get('torch', 'n/a')}; `{result['command']}`", "",
              "OSCAR = what `attend(implementation=\"auto\")` runs (kernel column); "
-             "Triton and Mosaic GPU = each kernel's own time.", "",
+             "Triton and Mosaic GPU = each kernel's own time. Times are GPU time (profiler span of "
+             "the op's kernels; torch: CUDA events); wall = wall-clock per call, host dispatch included.", "",
              "| shape | bpe | kernel | OSCAR ms | OSCAR GB/s | x cuDNN | x torch flash | "
-             "cuDNN ms | torch flash ms | XLA bf16 ms | XLA dequant ms | Triton ms | Mosaic GPU ms |",
-             "|" + "---|" * 13]
+             "cuDNN ms | torch flash ms | XLA bf16 ms | XLA dequant ms | Triton ms | Mosaic GPU ms | "
+             "OSCAR wall ms | cuDNN wall ms |",
+             "|" + "---|" * 15]
     f = lambda r, k: f"{r[k]:.3f}" if k in r else "n/a"
     for r in result["attention"]:
         lines.append(f"| {r['shape']['name']} | {r['bits_per_element']:.2f} | {r['auto']} | "
@@ -301,7 +360,9 @@ def markdown(result: dict) -> str:
                      f"{f(r, 'auto_speedup_vs_jax_cudnn')} | {f(r, 'auto_speedup_vs_torch_flash')} | "
                      f"{f(r, 'jax_cudnn_ms')} | {f(r, 'torch_flash_ms')} | {f(r, 'jax_xla_ms')} | "
                      f"{f(r, 'xla_dequant_ms')} | {f(r, 'oscar_ms')} | "
-                     f"{f(r, 'oscar_mgpu_ms') if 'oscar_mgpu_error' not in r else 'failed'} |")
+                     f"{f(r, 'oscar_mgpu_ms') if 'oscar_mgpu_error' not in r else 'failed'} | "
+                     f"{f(r, 'oscar_mgpu_wall_ms' if r['auto'] == 'pallas_mosaic_gpu' else 'oscar_wall_ms')} | "
+                     f"{f(r, 'jax_cudnn_wall_ms')} |")
     c = result["ceiling"]
     w = result.get("write", {"error": "not run"})
     lines += ["", f"Read ceiling: XLA sum {c['xla_sum_read_GBps']:.0f} GB/s; copy (read + write) "
@@ -354,15 +415,16 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    for shape in shapes:
-        result["attention"].append(bench_shape(shape, args.reps, blocks))
-        print(json.dumps(result["attention"][-1]), flush=True)
-        save()
     for name, fn in (("write", bench_write), ("write_prompt", bench_write_prompt)):
         try:
             result[name] = fn(args.reps)
-        except Exception as e:  # noqa: BLE001 - record a compile failure, keep the attention rows
+        except Exception as e:  # noqa: BLE001 - record a compile failure, time the attention
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(json.dumps(result[name]), flush=True)
+        save()
+    for shape in shapes:
+        result["attention"].append(bench_shape(shape, args.reps, blocks))
+        print(json.dumps(result["attention"][-1]), flush=True)
         save()
     table = markdown(result)
     with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
