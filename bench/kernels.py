@@ -385,6 +385,7 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="JSON path; a .md table is written beside it")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--shapes", default="all", help="comma-separated indices into SHAPES, or 'all'")
+    p.add_argument("--no-write", action="store_true", help="time the attention rows only")
     p.add_argument("--tune", action="store_true",
                    help="sweep BlockSizes on the first shape, then compare with the fastest")
     args = p.parse_args(argv)
@@ -415,7 +416,7 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    for name, fn in (("write", bench_write), ("write_prompt", bench_write_prompt)):
+    for name, fn in () if args.no_write else (("write", bench_write), ("write_prompt", bench_write_prompt)):
         try:
             result[name] = fn(args.reps)
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the attention

@@ -164,10 +164,11 @@ register("pallas", kernel_attend(_gpu_attention.mixed_attention),
 
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
 
-# On the H200 (bench/results/kernels_h200.json, one run) it beat the Triton kernel at D = 128
-# (B8 H32/8: 0.49 vs 0.98 ms at 128K, 0.26 vs 0.38 ms at 32K) and D = 256 (Gemma-3 B8 32K:
-# 0.17 vs 0.19 ms), and lost at D = 64 (SmolLM2 B8 8K: 0.093 vs 0.080).
+# GPU time on the H200 (bench/results/kernels_h200.json and kernels_h200_run4.json): it beat
+# the Triton kernel at D = 128 (B8 H32/8: 0.33 vs 0.78 ms at 128K, 0.11 vs 0.25 ms at 32K)
+# and lost at D = 256 (Gemma-3 B8 32K: 0.107 vs 0.088 ms) and D = 64 (SmolLM2 B8 8K: 0.035
+# vs 0.031 ms).
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
                                                 and _mgpu_attention.device_supported()),
-         prefer=lambda spec, queries, group: spec.head_dim in (128, 256))
+         prefer=lambda spec, queries, group: spec.head_dim == 128)

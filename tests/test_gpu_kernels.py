@@ -332,14 +332,15 @@ def test_mgpu_refuses_what_it_does_not_handle():
         attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, token_major, params)
 
 
-def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128_and_256(monkeypatch):
-    """"auto" on a GPU: the Mosaic GPU kernel for decode at D = 128 and 256 (where it was
-    measured faster), the Triton kernel for extend (C > 1), g > 8, D = 64, or a GPU that is
+def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
+    """"auto" on a GPU: the Mosaic GPU kernel for decode at D = 128 (where it was measured
+    faster), the Triton kernel for extend (C > 1), g > 8, D = 64 and 256, or a GPU that is
     not sm_90."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1536)
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas_mosaic_gpu"
-    assert attention.resolve("auto", _spec(256, 256, "uniform", "bfloat16", hist=1536), 1, 4,
-                             backend="gpu") == "pallas_mosaic_gpu"
+    d256 = _spec(256, 256, "uniform", "bfloat16", hist=1536)
+    assert attention.resolve("auto", d256, 1, 4, backend="gpu") == "pallas"
+    assert attention.resolve("pallas_mosaic_gpu", d256, 1, 4) == "pallas_mosaic_gpu"
     assert attention.resolve("auto", spec, 7, 4, backend="gpu") == "pallas"
     assert attention.resolve("auto", spec, 1, 16, backend="gpu") == "pallas"
     d64 = _spec(64, 64, "uniform", "bfloat16", hist=1536)

@@ -5,8 +5,10 @@ Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 The Mosaic GPU decode kernel (`mixed_attention_mgpu`) leaves, per (batch row, KV head),
 S history partials of 8 columns each: column c of a partial belongs to query c % cols
 (column blocks of packed token slices). One program per (batch row, KV head) attends its g
-queries to the bf16 sink and recent ring and merges that partial with the history ones:
-one launch where XLA took about 20 small ops (concatenations, transposes, reductions).
+queries to the bf16 sink and recent ring and merges that partial with the history ones,
+for one block of 64 output channels (grid (B, Hkv, D / 64): more programs than batch rows x
+KV heads, each reading its share of V and of the partials; scores use all D): one launch
+where XLA took about 20 small ops (concatenations, transposes, reductions).
 
 Precision: q and p enter the MMAs as two bf16 parts each (hi + lo, ~16 bits); the merge is
 in f32.
@@ -25,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 _LN2 = math.log(2.0)
 _DENSE_BLOCK = 64  # bf16 tokens per step
+_D_BLOCK = 64  # output channels per program (scores still take all D)
 _CHUNK_ELEMENTS = 8192  # f32 elements of history partials merged per step ([8192 / D, D] rows)
 
 
@@ -38,12 +41,13 @@ def _split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_out_ref, *,
-            g: int, cols: int, splits: int, sink: int, window: int, interpret: bool):
+            g: int, cols: int, splits: int, sink: int, window: int, d: int, interpret: bool):
     b, h = pl.program_id(0), pl.program_id(1)
-    gq, d = o_ref.shape
+    gq, db = o_ref.shape  # this program's output channels: block program_id(2) of db
     n = n_ref[b]
     qrow = jnp.arange(gq)
-    dcol = jnp.arange(d)
+    dcol = jnp.arange(d)  # scores take every channel
+    vcol = pl.program_id(2) * db + jnp.arange(db)
     if interpret:  # XLA:CPU may accumulate bf16 dots in bf16; the GPU MMA uses f32
         dot = lambda a, x, dims: lax.dot_general(a.astype(jnp.float32), x.astype(jnp.float32), (dims, ((), ())),
                                                  precision=lax.Precision.HIGHEST)
@@ -65,8 +69,8 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
             ok = j < size
             pos = positions(j)
             visible = ok & (pos >= 0) & (pos < n)
-            idx = (b, h, jnp.minimum(j, size - 1)[:, None], dcol[None, :])
-            k = plgpu.load(k_ref.at[idx], mask=ok[:, None], other=0.0)
+            rows = jnp.minimum(j, size - 1)[:, None]
+            k = plgpu.load(k_ref.at[b, h, rows, dcol[None, :]], mask=ok[:, None], other=0.0)
             s = dot(q_hi, k, ((1,), (1,))) + dot(q_lo, k, ((1,), (1,)))  # [GQ, block]
             s = jnp.where(visible[None, :], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -74,7 +78,7 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
             alpha = jnp.exp(m - m_use)
             p = jnp.exp(s - m_use[:, None])
             p_hi, p_lo = _split_bf16(p)
-            v = plgpu.load(v_ref.at[idx], mask=ok[:, None], other=0.0)
+            v = plgpu.load(v_ref.at[b, h, rows, vcol[None, :]], mask=ok[:, None], other=0.0)
             pv = dot(p_hi, v, ((1,), (0,))) + dot(p_lo, v, ((1,), (0,)))
             return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
@@ -84,15 +88,15 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
         pos = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
         return jnp.where((pos >= sink) & (pos >= n - window), pos, -1)
 
-    dense = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32), jnp.zeros((gq, d), jnp.float32))
+    dense = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32), jnp.zeros((gq, db), jnp.float32))
     if sink:
         dense = segment(sk_ref, sv_ref, sink, lambda j: j, dense)
     m_d, l_d, o_d = segment(rk_ref, rv_ref, window, ring_positions, dense)
     m_du = jnp.where(m_d == -jnp.inf, 0.0, m_d)
 
     # History partials, base 2: rows r = 8 s + c of a chunk of splits, merged online as one
-    # [GQ, R] weight matrix (query i takes the columns c with c % cols == i) times [R, D].
-    chunk = max(1, _CHUNK_ELEMENTS // (8 * d))  # splits per step
+    # [GQ, R] weight matrix (query i takes the columns c with c % cols == i) times [R, DB].
+    chunk = max(1, _CHUNK_ELEMENTS // (8 * db))  # splits per step
     r = jnp.arange(8 * chunk)
     col = r % 8
     mine = (col % cols)[None, :] == qrow[:, None]  # [GQ, R]
@@ -103,8 +107,8 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
         ok = s_idx < splits
         s_safe = jnp.minimum(s_idx, splits - 1)
         lse = plgpu.load(lse_ref.at[b, h, s_safe, col], mask=ok, other=-jnp.inf)  # [R]
-        o = plgpu.load(ot_ref.at[b, h, s_safe[:, None], dcol[None, :], col[:, None]],
-                       mask=ok[:, None], other=0.0)  # [R, D]
+        o = plgpu.load(ot_ref.at[b, h, s_safe[:, None], vcol[None, :], col[:, None]],
+                       mask=ok[:, None], other=0.0)  # [R, DB]
         lse_q = jnp.where(mine, lse[None, :], -jnp.inf)  # [GQ, R]
         m_new = jnp.maximum(m, jnp.max(lse_q, axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -114,7 +118,7 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
         return m_new, l * alpha + jnp.sum(w, axis=1), acc * alpha[:, None] + pw
 
     init = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32),
-            jnp.zeros((gq, d), jnp.float32))
+            jnp.zeros((gq, db), jnp.float32))
     m_h, l_h, acc_h = lax.fori_loop(0, -(-splits // chunk), merge, init)
 
     # Merge the two: history (base 2, sums of normalised partials) and bf16 (natural base).
@@ -145,19 +149,21 @@ def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, 
     if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= cols <= 8:
         raise ValueError(f"o_t.shape={o_t.shape}, lse2.shape={lse2.shape}, g={g}, cols={cols}: expected "
                          f"[B={b}, Hkv={hkv}, S, D={d}, 8], [B, Hkv, S, 8] and g <= cols <= 8")
-    gq = _pow2(g)
+    gq, db = _pow2(g), min(d, _D_BLOCK)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, gq, d), jnp.float32), jax.ShapeDtypeStruct((b, hkv, gq), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, gq, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, hkv, d // db, gq), jnp.float32)]  # lse: the same per block
     arrays = (lengths.astype(jnp.int32), q, o_t, lse2, sink_k, sink_v, recent_k, recent_v)
     o, lse = pl.pallas_call(
-        functools.partial(_kernel, g=g, cols=cols, splits=splits, sink=sink, window=window, interpret=interpret),
-        grid=(b, hkv),
+        functools.partial(_kernel, g=g, cols=cols, splits=splits, sink=sink, window=window, d=d,
+                          interpret=interpret),
+        grid=(b, hkv, d // db),
         in_specs=[full(x) for x in arrays],
-        out_specs=[pl.BlockSpec((None, None, gq, d), lambda i, j: (i, j, 0, 0)),
-                   pl.BlockSpec((None, None, gq), lambda i, j: (i, j, 0))],
+        out_specs=[pl.BlockSpec((None, None, gq, db), lambda i, j, k: (i, j, 0, k)),
+                   pl.BlockSpec((None, None, None, gq), lambda i, j, k: (i, j, k, 0))],
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="oscar_decode_finish",
     )(*arrays)
-    return o[:, :, :g], lse[:, :, :g]
+    return o[:, :, :g], lse[:, :, 0, :g]
