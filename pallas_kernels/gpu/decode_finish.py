@@ -4,11 +4,11 @@ Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
 The Mosaic GPU decode kernel (`mixed_attention_mgpu`) leaves, per (batch row, KV head),
 S history partials of 8 columns each: column c of a partial belongs to query c % cols
-(column blocks of packed token slices). One program per (batch row, KV head) attends its g
-queries to the bf16 sink and recent ring and merges that partial with the history ones,
-for one block of 64 output channels (grid (B, Hkv, D / 64): more programs than batch rows x
-KV heads, each reading its share of V and of the partials; scores use all D): one launch
-where XLA took about 20 small ops (concatenations, transposes, reductions).
+(column blocks of packed token slices). One program per (batch row, KV head, block of 64
+output channels) attends the g queries to the bf16 sink and recent ring (scores over all D,
+V and output over its block) and merges that partial with the history ones (its block of
+them): one launch where XLA took about 20 small ops (concatenations, transposes,
+reductions), with B x Hkv x D/64 programs rather than B x Hkv.
 
 Precision: q and p enter the MMAs as two bf16 parts each (hi + lo, ~16 bits); the merge is
 in f32.
@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 _LN2 = math.log(2.0)
 _DENSE_BLOCK = 64  # bf16 tokens per step
 _D_BLOCK = 64  # output channels per program (scores still take all D)
-_CHUNK_ELEMENTS = 8192  # f32 elements of history partials merged per step ([8192 / D, D] rows)
+_CHUNK_ELEMENTS = 8192  # f32 elements of history partials merged per step ([8192 / 64, 64])
 
 
 def _pow2(n: int, least: int = 16) -> int:
