@@ -29,7 +29,7 @@ from oscar_jax import attention, quant, reference
 from oscar_jax import cache as cache_lib
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
-from oscar_jax.pallas_kernels.gpu import mixed_attention, mixed_attention_mgpu, quantize_pack
+from oscar_jax.pallas_kernels.gpu import decode_finish, mixed_attention, mixed_attention_mgpu, quantize_pack
 
 HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
 
@@ -301,6 +301,45 @@ def test_mgpu_deeper_tma_pipeline_matches_reference():
     rng = np.random.default_rng(3)
     kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=8, buffers=3)
     _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True)
+
+
+@pytest.mark.parametrize("d,g,cols,splits", [(128, 3, 4, 5), (256, 1, 1, 19), (64, 8, 8, 2)])
+def test_decode_finish_matches_a_direct_merge(d, g, cols, splits):
+    """decode_finish against an XLA oracle: the bf16 sink + ring attention (ring positions
+    from `cache.ring_positions`) and a log-sum-exp over every partial column c % cols == i,
+    with empty (-inf) partials and rows whose history or ring is empty."""
+    rng = np.random.default_rng([d, g, splits])
+    b, hkv, sink, window = 4, 2, 8, 64
+    lengths = np.array([3, sink + 10, sink + window + 50, 1000], np.int32)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    q = f32(b, hkv, g, d) * 0.2
+    o_t = f32(b, hkv, splits, d, 8)
+    lse2 = np.asarray(rng.standard_normal((b, hkv, splits, 8)) * 3, np.float32)
+    lse2[0] = -np.inf  # row 0: no history at all
+    lse2[:, :, 0, :4] = -np.inf  # some empty partials
+    bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    sink_k, sink_v, recent_k, recent_v = bf(b, hkv, sink, d), bf(b, hkv, sink, d), bf(b, hkv, window, d), bf(b, hkv, window, d)
+    o, lse = decode_finish.decode_finish(q, o_t, jnp.asarray(lse2), sink_k, sink_v, recent_k, recent_v,
+                                         jnp.asarray(lengths), cols=cols, sink=sink, window=window, interpret=True)
+
+    n = jnp.asarray(lengths)
+    visible = jnp.concatenate([jnp.arange(sink)[None, :] < n[:, None],
+                               cache_lib.ring_positions(n, sink, window) >= 0], axis=1)[:, None, None, :]
+    k = jnp.concatenate([sink_k, recent_k], axis=2).astype(jnp.float32)
+    v = jnp.concatenate([sink_v, recent_v], axis=2).astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    s_d = jnp.where(visible, jnp.einsum("bhgd,bhtd->bhgt", q, k, precision=hi), -jnp.inf)
+    owner = np.arange(8) % cols  # the query of each partial column
+    lse_h = [jnp.asarray(lse2 * np.log(2.0))[..., owner == i].reshape(b, hkv, -1) for i in range(g)]
+    o_h = [jnp.moveaxis(o_t[..., owner == i], -1, -2).reshape(b, hkv, -1, d) for i in range(g)]
+    for i in range(g):
+        scores = jnp.concatenate([s_d[:, :, i], lse_h[i]], axis=-1)  # [B, Hkv, T + partials]
+        values = jnp.concatenate([v, o_h[i]], axis=2)
+        want_lse = jax.nn.logsumexp(scores, axis=-1)
+        weights = jnp.exp(scores - jnp.where(jnp.isfinite(want_lse), want_lse, 0.0)[..., None])
+        want_o = jnp.einsum("bht,bhtd->bhd", weights, values, precision=hi)
+        np.testing.assert_allclose(np.asarray(lse[:, :, i]), np.asarray(want_lse), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(o[:, :, i]), np.asarray(want_o), rtol=1e-4, atol=1e-4)
 
 
 def test_mgpu_query_split_is_finer_than_bf16():
