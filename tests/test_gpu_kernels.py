@@ -49,7 +49,7 @@ ATTN_CONFIGS = [
     (256, 1, 7, 256, "lloyd_max", "float32"),
     (256, 3, 64, 128, "uniform", "bfloat16"),
 ]
-N_PATTERNS = 11  # one batch led by each of the 11 boundary lengths (random lengths fill the rest)
+N_PATTERNS = 5  # batches of 3 boundary lengths each: every one of the 11 appears (4 would do)
 
 
 def _spec(d, g_size, codebook, scale_dtype, *, batch=BATCH, sink=SINK, window=WINDOW, hist=HIST,
@@ -60,17 +60,15 @@ def _spec(d, g_size, codebook, scale_dtype, *, batch=BATCH, sink=SINK, window=WI
 
 def _lengths(rng, pattern: int, c: int, spec: CacheSpec) -> np.ndarray:
     """A ragged batch: boundary lengths (inside the sink, on S0, inside S0 + W, on S0 + W,
-    just past it, full) mixed with random ones; all >= C so the C queries are appended."""
+    just past it, full) and one random length; all >= C so the C queries are appended.
+    Batch `pattern` takes boundaries 3p, 3p + 1, ... of the list (cyclically), so
+    consecutive patterns walk every boundary."""
     s0, w, top = spec.sink, spec.window, spec.max_len
     marks = [1, s0 - 1, s0, s0 + 1, s0 + w // 2, s0 + w - 1, s0 + w, s0 + w + 1, s0 + w + 3,
              top - 1, top]
     pool = [n for n in marks if c <= n <= top]
-    if pattern < len(pool):  # each boundary leads one batch
-        first = pool[pattern]
-    else:
-        first = int(rng.integers(c, top + 1))
-    rest = rng.choice(pool, size=spec.batch - 2).tolist() + [int(rng.integers(c, top + 1))]
-    return np.array([first] + rest, np.int32)
+    picked = [pool[(3 * pattern + i) % len(pool)] for i in range(spec.batch - 1)]
+    return np.array(picked + [int(rng.integers(c, top + 1))], np.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("c",))
@@ -168,7 +166,7 @@ WRITE_CONFIGS = [
     (128, 64, "uniform", "bfloat16", 4),
 ]
 WRITE_CASES = [(cfg, rotation, seed) for cfg in WRITE_CONFIGS for rotation in ("permutation", "dense")
-               for seed in range(3)]
+               for seed in range(2)]
 
 
 @pytest.mark.parametrize("config,rotation,seed", WRITE_CASES,
@@ -284,7 +282,7 @@ MGPU_CASES = [  # (D, g, history tokens, target programs: 8 -> one split of many
     (64, 3, 1536, 8), (256, 4, 1536, 16), (256, 1, 480, 8)]
 
 
-@pytest.mark.parametrize("pattern", [0, 9, 13])
+@pytest.mark.parametrize("pattern", [1, 2, 3])  # boundaries S0 + 1 ... full, and length 1
 @pytest.mark.parametrize("case", MGPU_CASES, ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c))
 def test_mgpu_attention_matches_reference(case, pattern):
     d, g, hist, target = case
