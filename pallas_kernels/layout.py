@@ -23,6 +23,7 @@ every kernel import it, and kernels import nothing else of ours.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 _VALID_BITS = (2, 4, 8)
 
@@ -85,3 +86,12 @@ def unpack_meta(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
     *lead, g, tpb, r = packed.shape
     x = jnp.moveaxis(packed, (-1, -2, -3), (-3, -2, -1))  # [..., R, tpb, g]
     return x.reshape(*lead, r * tpb, g)
+
+
+def ring_position(n, j, sink: int, window: int):
+    """Position held by recent-ring slot(s) j of a row holding n tokens, -1 where empty: the
+    newest p < n with (p - S0) % W == j and p >= max(S0, n - W) (`cache.ring_positions`,
+    restated for kernels with lax.rem on a non-negative argument, which Triton lowers)."""
+    wrap = window * (-(-(sink + window) // window) + 1)
+    p = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
+    return jnp.where((p >= sink) & (p >= n - window), p, -1)

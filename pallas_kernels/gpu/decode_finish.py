@@ -25,6 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from oscar_jax.pallas_kernels import layout
+
+from .mixed_attention import f32_dot
+
 _LN2 = math.log(2.0)
 _DENSE_BLOCK = 64  # bf16 tokens per step
 _D_BLOCK = 64  # output channels per program (scores still take all D)
@@ -48,19 +52,12 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
     qrow = jnp.arange(gq)
     dcol = jnp.arange(d)  # scores take every channel
     vcol = pl.program_id(2) * db + jnp.arange(db)
-    if interpret:  # XLA:CPU may accumulate bf16 dots in bf16; the GPU MMA uses f32
-        dot = lambda a, x, dims: lax.dot_general(a.astype(jnp.float32), x.astype(jnp.float32), (dims, ((), ())),
-                                                 precision=lax.Precision.HIGHEST)
-    else:
-        dot = lambda a, x, dims: lax.dot_general(a, x, (dims, ((), ())), preferred_element_type=jnp.float32)
 
     # bf16 segments: sink (positions 0..S0-1) and the recent ring (slot j holds the newest
-    # position p < n with (p - S0) % W == j; cache.ring_positions restated), natural base.
+    # position p < n with (p - S0) % W == j: layout.ring_position), natural base.
     q = plgpu.load(q_ref.at[b, h, jnp.minimum(qrow, g - 1)[:, None], dcol[None, :]],
                    mask=(qrow < g)[:, None], other=0.0)
     q_hi, q_lo = _split_bf16(q)
-    wrap = window * (-(-(sink + window) // window) + 1)  # keeps the rem argument >= 0
-
     def segment(k_ref, v_ref, size, positions, carry):
         """Online softmax over one bf16 segment in blocks of _DENSE_BLOCK tokens."""
         def step(i, carry):
@@ -71,7 +68,7 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
             visible = ok & (pos >= 0) & (pos < n)
             rows = jnp.minimum(j, size - 1)[:, None]
             k = plgpu.load(k_ref.at[b, h, rows, dcol[None, :]], mask=ok[:, None], other=0.0)
-            s = dot(q_hi, k, ((1,), (1,))) + dot(q_lo, k, ((1,), (1,)))  # [GQ, block]
+            s = f32_dot(q_hi, k, 1, interpret) + f32_dot(q_lo, k, 1, interpret)  # [GQ, block]
             s = jnp.where(visible[None, :], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -79,19 +76,15 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
             p = jnp.exp(s - m_use[:, None])
             p_hi, p_lo = _split_bf16(p)
             v = plgpu.load(v_ref.at[b, h, rows, vcol[None, :]], mask=ok[:, None], other=0.0)
-            pv = dot(p_hi, v, ((1,), (0,))) + dot(p_lo, v, ((1,), (0,)))
+            pv = f32_dot(p_hi, v, 0, interpret) + f32_dot(p_lo, v, 0, interpret)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
         return lax.fori_loop(0, -(-size // _DENSE_BLOCK), step, carry)
 
-    def ring_positions(j):
-        pos = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
-        return jnp.where((pos >= sink) & (pos >= n - window), pos, -1)
-
     dense = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32), jnp.zeros((gq, db), jnp.float32))
     if sink:
         dense = segment(sk_ref, sv_ref, sink, lambda j: j, dense)
-    m_d, l_d, o_d = segment(rk_ref, rv_ref, window, ring_positions, dense)
+    m_d, l_d, o_d = segment(rk_ref, rv_ref, window, lambda j: layout.ring_position(n, j, sink, window), dense)
     m_du = jnp.where(m_d == -jnp.inf, 0.0, m_d)
 
     # History partials, base 2: rows r = 8 s + c of a chunk of splits, merged online as one

@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from oscar_jax.pallas_kernels import layout
+
 _BF16_128 = 0x4300  # bf16 bit pattern of 128.0; OR-ing a code < 128 into it gives 128 + code
 _CODE_OFFSET = 128.0
 
@@ -156,7 +158,7 @@ def _level_values(codes: jax.Array, shift: int, bits: int, levels, mult: int) ->
     return val.astype(jnp.float32).astype(jnp.bfloat16)
 
 
-def _dot(a, b, contract_b: int, exact_f32: bool):
+def f32_dot(a, b, contract_b: int, exact_f32: bool):
     """a [M, K] bf16 times b ([N, K] if contract_b == 1 else [K, N]) bf16 -> f32 [M, N].
 
     exact_f32 widens the (bf16-valued) operands first: XLA:CPU, which runs the
@@ -257,7 +259,7 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
                 ck = codes(packed_k, gi)
                 qk = None
                 for s in range(tpb):  # each row keeps the product with its own slice's codes
-                    d_s = _dot(qg_bf[gi], ck[s], 1, interpret)
+                    d_s = f32_dot(qg_bf[gi], ck[s], 1, interpret)
                     qk = d_s if qk is None else jnp.where(slice_of == s, d_s, qk)
                 raw = qk - offset * q_bf_sum[gi][:, None]
                 part = meta(scale_k_ref, gi) * (1.0 / mult) * raw + meta(lo_k_ref, gi) * q_sum[gi][:, None]
@@ -271,7 +273,7 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
                     pv = (p * meta(scale_v_ref, gi) * (1.0 / mult)).astype(jnp.bfloat16)
                     acc = jnp.sum(p * meta(lo_v_ref, gi) - offset * pv.astype(jnp.float32), axis=1)[:, None]
                     for s in range(tpb):  # rows keep the product with their own slice's codes
-                        acc = acc + jnp.where(out_slice == s, _dot(pv, cv[s], 1, interpret), 0.0)
+                        acc = acc + jnp.where(out_slice == s, f32_dot(pv, cv[s], 1, interpret), 0.0)
                     out.append(acc)
                 return out
 
@@ -292,11 +294,11 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
                 pos = positions(j)
                 vis = row_ok & (pos >= 0) & (pos < n)
                 vis = vis[None, :] & (pos[None, :] <= q_pos[:, None]) & (j[None, :] % tpb == row_slice[:, None])
-                s = jnp.where(vis, _dot(q_bf, k, 1, interpret), -jnp.inf)
+                s = jnp.where(vis, f32_dot(q_bf, k, 1, interpret), -jnp.inf)
 
                 def values(p):
                     p = p.astype(jnp.bfloat16)
-                    return [_dot(p, plgpu.load(v_ref.at[b, h, pl.ds(i * bd, bd), pl.ds(gi * gs, gs)],
+                    return [f32_dot(p, plgpu.load(v_ref.at[b, h, pl.ds(i * bd, bd), pl.ds(gi * gs, gs)],
                                                mask=row_ok[:, None], other=0), 0, interpret)
                             for gi in range(num_groups)]
 
@@ -307,15 +309,8 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
         state = init()
         if sink:
             state = segment(sink_k_ref, sink_v_ref, sink, jnp.minimum(n, sink), lambda j: j, state)
-        # Ring slot j holds the newest position p < n with (p - sink) % window == j.
-        wrap = window * (-(-(sink + window) // window) + 1)  # keeps the rem argument >= 0
-
-        def ring_pos(j):
-            p = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
-            return jnp.where((p >= sink) & (p >= n - window), p, -1)
-
         state = segment(recent_k_ref, recent_v_ref, window, jnp.clip(n - sink, 0, window),
-                        ring_pos, state)
+                        lambda j: layout.ring_position(n, j, sink, window), state)
         finish(state)
 
 
