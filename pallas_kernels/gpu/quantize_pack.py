@@ -2,14 +2,14 @@
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 It computes what `quant.pack(quant.quantize(bf16(x @ R), cfg, clip))` computes
-(DESIGN §1.2, the layout of `layout.py`) in one pass over x: one program per
-(batch row, KV head, block of packed rows) loads the tokens of each packed
-slice s with one gather load (token tpb*i + s), rotates them on the matrix
-units (R split into two bf16 halves, so the product carries ~16 mantissa
-bits before its bf16 rounding), quantises each group of G channels and ORs
-the codes of the tpb slices into one byte row, stored as a row of the
-token-major K codes or, transposed in-kernel, a column of the channel-major
-V codes.
+(DESIGN §1.2, the layout of `layout.py`) in one pass over x. One program per
+(batch row, KV head, run of `loop` blocks) holds the head's rotation and walks its
+blocks; a block is `tpb * block_rows` consecutive tokens, loaded as one tile and
+rotated by one matrix product (R split into two bf16 halves, so the product carries
+~16 mantissa bits before its bf16 rounding). Each group of G channels is quantised
+per token, and the codes of tokens tpb*i + s are shifted by bits*s and summed over s
+(a reshape of the tile) into byte row i, stored as a row of the token-major K codes
+or, transposed in-kernel, a column of the channel-major V codes.
 """
 
 from __future__ import annotations
@@ -23,56 +23,75 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _MAX_CHUNK = 128
+_ROUND = 12582912.0  # 1.5 * 2**23: u + _ROUND rounds u (0 <= u < 2**22) half to even, in f32
+_ROUND_BITS = 0x4B400000  # the bits of _ROUND as an f32
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """block_rows: packed rows (tokens_per_byte * block_rows tokens) per program."""
+    """block_rows: packed rows per block (tokens_per_byte * block_rows tokens, the M of
+    the rotation product); loop: blocks per program (the rotation is loaded once for them;
+    > 1 at D > 128 exceeds the H200's shared memory, Triton's pipelining buffers the
+    per-group rotation tiles of every block)."""
 
-    block_rows: int = 32
+    block_rows: int = 16
+    loop: int = 16
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
         if self.block_rows < 16 or self.block_rows & (self.block_rows - 1):
             raise ValueError(f"BlockSizes.block_rows={self.block_rows}: expected a power of two >= 16")
+        if self.loop < 1:
+            raise ValueError(f"BlockSizes.loop={self.loop}: expected >= 1")
+
+    @classmethod
+    def default(cls, head_dim: int, group_size: int) -> "BlockSizes":
+        """Fastest measured on the H200 (GPU time, `bench/results/kernels_write_sweep_h200.json`):
+        one group per token at D <= 128 loops over blocks with the rotation held; several
+        groups, or D = 256, take one block per program."""
+        if group_size < head_dim or head_dim > 128:
+            return cls(block_rows=32, loop=1, num_warps=8)
+        return cls(block_rows=16, loop=4 if head_dim <= 64 else 16, num_warps=4)
 
 
 def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_ref, *, bits, levels,
-            span, group_size, scale_dtype, start, rows_out, block_rows, channel_major, interpret):
-    b, h, blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+            span, group_size, scale_dtype, start, rows_out, block_rows, loop, channel_major, interpret):
+    b, h, prog = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t_total, d = x_ref.shape[1], x_ref.shape[3]
     tpb = 8 // bits
+    m = tpb * block_rows  # tokens per block
     top = float(levels[-1])
     clip = clip_ref[0]
-    r0 = blk * block_rows
-    row_ids = r0 + jnp.arange(block_rows)
-    row_ok = row_ids < rows_out
     if interpret:  # XLA:CPU may accumulate bf16 dots in bf16; the GPU MMA uses f32
         dot = lambda a, r: jnp.dot(a.astype(jnp.float32), r.astype(jnp.float32),
                                    precision=jax.lax.Precision.HIGHEST)
     else:
         dot = lambda a, r: jnp.dot(a, r, preferred_element_type=jnp.float32)
     # A group's rotated channels come in chunks of <= _MAX_CHUNK columns, so the rotation
-    # tiles held for one dot stay within shared memory (D = G = 256 needs two).
+    # tiles held for one product stay within shared memory (D = G = 256 needs two).
     cw = min(group_size, _MAX_CHUNK)
-    for gi in range(d // group_size):
-        chunks = [pl.ds(gi * group_size + j * cw, cw) for j in range(group_size // cw)]
+    groups = [[pl.ds(gi * group_size + j * cw, cw) for j in range(group_size // cw)]
+              for gi in range(d // group_size)]
+    rot_tiles = lambda cols: (rot_hi_ref[h, :, cols], rot_lo_ref[h, :, cols])  # [D, cw] bf16 each
+    hoisted = rot_tiles(groups[0][0]) if d <= _MAX_CHUNK and len(groups) == 1 else None
+    j = jnp.arange(m)
+    slot = j % tpb  # token j of a block: slice j % tpb of packed row j // tpb
+    shift = (bits * slot)[:, None]
 
-        def rot_tiles(cols):
-            return rot_hi_ref[h, :, cols], rot_lo_ref[h, :, cols]  # [D, cw] bf16 each
-
-        hoisted = [rot_tiles(cols) for cols in chunks] if len(chunks) == 1 else None
-        packed = [None] * len(chunks)
-        for s in range(tpb):
-            tok = start + row_ids * tpb + s
-            ok = tok < t_total
-            x = plgpu.load(x_ref.at[b, jnp.where(ok, tok, 0)[:, None], h, jnp.arange(d)[None, :]],
-                           mask=ok[:, None], other=0).astype(jnp.bfloat16)
+    def block(i, carry):
+        r0 = (prog * loop + i) * block_rows
+        tok = start + tpb * r0 + j
+        ok = tok < t_total
+        x = plgpu.load(x_ref.at[b, jnp.where(ok, tok, 0)[:, None], h, jnp.arange(d)[None, :]],
+                       mask=ok[:, None], other=0).astype(jnp.bfloat16)  # [m, D]
+        row = r0 + j // tpb
+        row_ok = row < rows_out
+        for gi, chunks in enumerate(groups):
             xr = []
-            for j, cols in enumerate(chunks):
-                hi, lo_part = hoisted[j] if hoisted else rot_tiles(cols)
-                # [rows, cw], rounded to bf16 as the cache stores it
+            for cols in chunks:
+                hi, lo_part = hoisted if hoisted is not None else rot_tiles(cols)
+                # [m, cw], rounded to bf16 as the cache stores it
                 xr.append((dot(x, hi) + dot(x, lo_part)).astype(jnp.bfloat16).astype(jnp.float32))
             if span is None:
                 xmax = functools.reduce(jnp.maximum, [jnp.max(c, axis=1) for c in xr])
@@ -83,34 +102,38 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
                 mid = sum(jnp.sum(c, axis=1) for c in xr) / group_size
                 var = sum(jnp.sum((c - mid[:, None]) ** 2, axis=1) for c in xr) / group_size
                 half = clip * span * jnp.sqrt(var)
-            lo = (mid - half).astype(scale_dtype)
+            lo = (mid - half).astype(scale_dtype)  # [m]
             scale = (2.0 * half / top).astype(scale_dtype)
             lo32, scale32 = lo.astype(jnp.float32)[:, None], scale.astype(jnp.float32)[:, None]
             pos = scale32 > 0
-            for j, c in enumerate(xr):
+            for cols, c in zip(chunks, xr):
                 u = jnp.where(pos, (c - lo32) / jnp.where(pos, scale32, 1.0), 0.0)
-                if span is None:
-                    u = jnp.clip(u, 0.0, top)  # round half to even, as jnp.round:
-                    code = jnp.floor(u)
-                    frac = u - code  # exact for 0 <= u < 2**23
-                    odd = code - 2.0 * jnp.floor(0.5 * code)
-                    code = code + jnp.where((frac > 0.5) | ((frac == 0.5) & (odd == 1.0)), 1.0, 0.0)
+                if span is None:  # round half to even, as jnp.round
+                    u = jnp.clip(u, 0.0, top)
+                    code = jax.lax.bitcast_convert_type(u + _ROUND, jnp.int32) - _ROUND_BITS
                 else:
-                    code = jnp.zeros_like(u)
+                    code = jnp.zeros(u.shape, jnp.int32)
                     for k in range(1, len(levels)):
-                        code = code + jnp.where(u >= 0.5 * (levels[k] + levels[k - 1]), 1.0, 0.0)
-                code = jnp.where(jnp.abs(u) < jnp.inf, code, 0.0).astype(jnp.int32) << (bits * s)
-                packed[j] = code if packed[j] is None else packed[j] | code
-            idx = (b, h, jnp.int32(gi), jnp.int32(s), pl.ds(r0, block_rows))
+                        code = code + jnp.where(u >= 0.5 * (levels[k] + levels[k - 1]), 1, 0)
+                code = jnp.where(jnp.abs(u) < jnp.inf, code, 0) << shift
+                packed = jnp.sum(code.reshape(block_rows, tpb, cw), axis=1)  # [block_rows, cw]
+                rows = pl.ds(r0, block_rows)
+                prow_ok = r0 + jnp.arange(block_rows) < rows_out
+                if channel_major:
+                    plgpu.store(codes_ref.at[b, h, cols, rows], packed.T.astype(jnp.uint8),
+                                mask=prow_ok[None, :])
+                else:
+                    plgpu.store(codes_ref.at[b, h, rows, cols], packed.astype(jnp.uint8),
+                                mask=prow_ok[:, None])
+            idx = (b, h, jnp.int32(gi), slot, row)
             plgpu.store(lo_ref.at[idx], lo, mask=row_ok)
             plgpu.store(scale_ref.at[idx], scale, mask=row_ok)
-        for cols, p in zip(chunks, packed):  # p: int32 [block_rows, cw]
-            if channel_major:
-                plgpu.store(codes_ref.at[b, h, cols, pl.ds(r0, block_rows)], p.T.astype(jnp.uint8),
-                            mask=row_ok[None, :])
-            else:
-                plgpu.store(codes_ref.at[b, h, pl.ds(r0, block_rows), cols], p.astype(jnp.uint8),
-                            mask=row_ok[:, None])
+        return carry
+
+    if loop == 1:
+        block(0, None)
+    else:
+        jax.lax.fori_loop(0, loop, block, None)
 
 
 def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_size: int,
@@ -125,7 +148,7 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
     the V history's layout), lo and scale (scale_dtype) [B, Hkv, D/G, tpb, count/tpb]:
     `layout.pack_codes` / `layout.pack_meta` order.
     """
-    blocks = block_sizes or BlockSizes()
+    blocks = block_sizes or BlockSizes.default(x.shape[3], group_size)
     b, t, hkv, d = x.shape
     tpb = 8 // bits
     count = t - start if count is None else count
@@ -137,6 +160,7 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
     if d % group_size or group_size < 16:
         raise ValueError(f"group_size={group_size}: must divide D={d} and be >= 16")
     rows = count // tpb
+    loop = min(blocks.loop, -(-rows // blocks.block_rows))  # no program walks past the last row
     rot = rot.astype(jnp.float32)
     rot_hi = rot.astype(jnp.bfloat16)
     rot_lo = (rot - rot_hi.astype(jnp.float32)).astype(jnp.bfloat16)
@@ -146,14 +170,14 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
     kernel = functools.partial(
         _kernel, bits=bits, levels=tuple(levels), span=span, group_size=group_size,
         scale_dtype=scale_dtype, start=start, rows_out=rows, block_rows=blocks.block_rows,
-        channel_major=channel_major, interpret=interpret)
+        loop=loop, channel_major=channel_major, interpret=interpret)
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     meta_shape = jax.ShapeDtypeStruct((b, hkv, ng, tpb, rows), scale_dtype)
     codes_shape = (b, hkv, d, rows) if channel_major else (b, hkv, rows, d)
     out_shape = [jax.ShapeDtypeStruct(codes_shape, jnp.uint8), meta_shape, meta_shape]
     codes, lo, scale = pl.pallas_call(
         kernel,
-        grid=(b, hkv, -(-rows // blocks.block_rows)),
+        grid=(b, hkv, -(-rows // (blocks.block_rows * loop))),
         in_specs=[full(clip), full(x), full(rot_hi), full(rot_lo)],
         out_specs=[pl.BlockSpec(o.shape, lambda *_, n=len(o.shape): (0,) * n) for o in out_shape],
         out_shape=out_shape,
