@@ -46,25 +46,19 @@ def test_chunk_sums_match_numpy():
 
 def test_full_precision_cache_reproduces_forward_perplexity(smollm2):
     """SmolLM2 through the cache with prefill + extend chunks: fp32 equals the plain forward.
-    bf16 is checked against the forward with bf16 K/V only loosely here: on this model bf16
-    rounding is chaotic (a 1e-7 relative nudge of q, k moves this sample's bf16-K/V
-    perplexity by std 1.5e-4), so the tight check is the tiny model's below."""
+    (The bf16 cache's check against a forward with bf16 K/V is the tiny model's below: on
+    this model bf16 rounding is chaotic, a 1e-7 relative nudge of q, k moves the bf16-K/V
+    perplexity of a sample by std 1.5e-4.)"""
     decoder, tokenizer = smollm2
     from oscar_jax.models import corpus
 
     text, _ = corpus.shakespeare_text("evaluation")
     rows = ev.windows(np.asarray(tokenizer.encode(text[:6000]), np.int32), 256, 512)
     forward = ev.forward_perplexity(decoder, rows, chunk=32)
-    forward_bf16 = ev.forward_perplexity(decoder, rows, chunk=32, kv_dtype="bfloat16")
-    results = ev.evaluate(decoder, rows, {"fp32": kv_policy.DensePolicy("float32"),
-                                          "bf16": ev.scheme_policy("bf16")}, chunk=32, batch=2)
-    fp32, bf16 = results
-    print(f"forward PPL {forward:.6f}, with bf16 K/V {forward_bf16:.6f}; "
-          f"fp32 cache {fp32.ppl:.6f} (rel {abs(fp32.ppl / forward - 1):.2e}); "
-          f"bf16 cache {bf16.ppl:.6f} (rel {abs(bf16.ppl / forward_bf16 - 1):.2e})")
+    (fp32,) = ev.evaluate(decoder, rows, {"fp32": kv_policy.DensePolicy("float32")}, chunk=32, batch=2)
+    print(f"forward PPL {forward:.6f}; fp32 cache {fp32.ppl:.6f} (rel {abs(fp32.ppl / forward - 1):.2e})")
     assert fp32.tokens == 2 * (256 - 32)
     assert abs(fp32.ppl / forward - 1) < 1e-5 and fp32.kl < 1e-9 and fp32.top1 == 1.0
-    assert abs(bf16.ppl / forward_bf16 - 1) < 1e-3
 
 
 def test_bf16_cache_reproduces_forward_with_bf16_kv(tiny):

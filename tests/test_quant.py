@@ -35,10 +35,18 @@ def cases(draw):
     return cfg, x, clip
 
 
+# jitted: one compile per (config, shape) instead of one per eager op (the examples repeat shapes)
+_quantize = jax.jit(quant.quantize, static_argnums=1)
+_dequantize = jax.jit(quant.dequantize, static_argnums=1)
+_pack, _unpack = (jax.jit(f, static_argnums=1, static_argnames="channel_major")
+                  for f in (layout.pack_codes, layout.unpack_codes))
+_pack_meta, _unpack_meta = (jax.jit(f, static_argnums=1) for f in (layout.pack_meta, layout.unpack_meta))
+
+
 @given(cases())
 def test_codes_in_range_and_nearest_representable(case):
     cfg, x, clip = case
-    q = quant.quantize(jnp.asarray(x), cfg, clip)
+    q = _quantize(jnp.asarray(x), cfg, clip)
     codes = np.asarray(q.codes)
     assert codes.dtype == np.uint8 and codes.max() < cfg.num_levels
     g = x.shape[-1] // q.lo.shape[-1]
@@ -48,7 +56,7 @@ def test_codes_in_range_and_nearest_representable(case):
     xg = x.reshape(*x.shape[:-1], -1, g)
     xc = np.clip(xg, lo, lo + scale * cfg.levels[-1])
     best = np.min(np.abs(grid - xc[..., None]), axis=-1)
-    xhat = np.asarray(quant.dequantize(q, cfg)).reshape(xg.shape)
+    xhat = np.asarray(_dequantize(q, cfg)).reshape(xg.shape)
     tol = 1e-5 * (np.abs(xc) + scale) + 1e-30
     np.testing.assert_array_less(np.abs(xhat - xc) - best, tol)
 
@@ -58,13 +66,12 @@ def test_pack_unpack_bijective(case, channel_major):
     cfg, x, _ = case
     rng = np.random.default_rng(x.size)
     codes = rng.integers(0, cfg.num_levels, x.shape, dtype=np.uint8)
-    packed = layout.pack_codes(jnp.asarray(codes), cfg.bits, channel_major=channel_major)
+    packed = _pack(jnp.asarray(codes), cfg.bits, channel_major=channel_major)
     rows, d = x.shape[-2] // cfg.tokens_per_byte, x.shape[-1]
     assert packed.shape == (*x.shape[:-2], *((d, rows) if channel_major else (rows, d)))
-    np.testing.assert_array_equal(
-        layout.unpack_codes(packed, cfg.bits, channel_major=channel_major), codes)
+    np.testing.assert_array_equal(_unpack(packed, cfg.bits, channel_major=channel_major), codes)
     meta = jnp.asarray(x[..., :4])
-    np.testing.assert_array_equal(layout.unpack_meta(layout.pack_meta(meta, cfg.bits), cfg.bits), meta)
+    np.testing.assert_array_equal(_unpack_meta(_pack_meta(meta, cfg.bits), cfg.bits), meta)
 
 
 def test_layout_bit_positions_by_hand():

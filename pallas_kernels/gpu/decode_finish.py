@@ -30,9 +30,15 @@ from oscar_jax.pallas_kernels import layout
 from .mixed_attention import f32_dot
 
 _LN2 = math.log(2.0)
-_DENSE_BLOCK = 64  # bf16 tokens per step
 _D_BLOCK = 64  # output channels per program (scores still take all D)
 _CHUNK_ELEMENTS = 8192  # f32 elements of history partials merged per step ([8192 / 64, 64])
+
+
+def _dense_block(d: int) -> int:
+    """bf16 tokens per step of the sink / ring attention: 128 at D <= 128 (the ring of 256 in
+    2 steps: 14.5 against 15.5 us per call at B8 H32/8 on the H200, 4 or 8 warps alike;
+    `bench/results/kernels_mgpu_session5_h200.json`), 64 at D = 256 (shared memory)."""
+    return 128 if d <= 128 else 64
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -59,10 +65,11 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
                    mask=(qrow < g)[:, None], other=0.0)
     q_hi, q_lo = _split_bf16(q)
     def segment(k_ref, v_ref, size, positions, carry):
-        """Online softmax over one bf16 segment in blocks of _DENSE_BLOCK tokens."""
+        """Online softmax over one bf16 segment in blocks of `_dense_block(d)` tokens."""
+        block = _dense_block(d)
         def step(i, carry):
             m, l, acc = carry
-            j = i * _DENSE_BLOCK + jnp.arange(_DENSE_BLOCK)
+            j = i * block + jnp.arange(block)
             ok = j < size
             pos = positions(j)
             visible = ok & (pos >= 0) & (pos < n)
@@ -79,7 +86,7 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
             pv = f32_dot(p_hi, v, 0, interpret) + f32_dot(p_lo, v, 0, interpret)
             return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
-        return lax.fori_loop(0, -(-size // _DENSE_BLOCK), step, carry)
+        return lax.fori_loop(0, -(-size // block), step, carry)
 
     dense = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32), jnp.zeros((gq, db), jnp.float32))
     if sink:

@@ -3,8 +3,9 @@
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 It computes what `quant.pack(quant.quantize(bf16(x @ R), cfg, clip))` computes
 (DESIGN §1.2, the layout of `layout.py`) in one pass over x. One program per
-(batch row, KV head, run of `loop` blocks) holds the head's rotation and walks its
-blocks; a block is `tpb * block_rows` consecutive tokens, loaded as one tile and
+(batch row, KV head, run of `loop` blocks) walks its blocks, holding the head's rotation
+when it is one tile (D <= 128, one group); a block is `tpb * block_rows` consecutive
+tokens, loaded as one tile and
 rotated by one matrix product (R split into two bf16 halves, so the product carries
 ~16 mantissa bits before its bf16 rounding). Each group of G channels is quantised
 per token, and the codes of tokens tpb*i + s are shifted by bits*s and summed over s
