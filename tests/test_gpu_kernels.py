@@ -220,6 +220,27 @@ def test_write_prompt_pallas_matches_xla(config, rotation, seed, exact=True):
                 np.testing.assert_allclose(a, b, rtol=8e-3, atol=2**-6 * span, err_msg=f"{meta}_{which}")
 
 
+@pytest.mark.parametrize("channel_major", [False, True])
+def test_quantize_pack_programs_walk_their_own_blocks(channel_major):
+    """Several programs, each looping over blocks (BlockSizes(loop=2)), the last one past the
+    end: every packed row and its metadata equal the XLA quantiser on the rotated input,
+    exactly (signed-permutation rotation)."""
+    rng = np.random.default_rng([5, channel_major])
+    x = np.asarray(random_kv(rng, 2, 400, 2, 64))  # 100 packed rows: 4 programs of 2 x 16
+    rot = signed_permutation(rng, 2, 64)
+    cfg = QuantConfig(2, scale_dtype="bfloat16")
+    codes, lo, scale = quantize_pack.quantize_pack(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(rot), 0.9, bits=2, levels=cfg.levels, group_size=64,
+        span=None, scale_dtype=jnp.bfloat16, channel_major=channel_major,
+        block_sizes=quantize_pack.BlockSizes(block_rows=16, loop=2),
+        interpret=jax.default_backend() == "cpu")
+    x_rot = np.einsum("bthd,hde->bhte", x, rot)  # [B, Hkv, T, D]
+    want = quant.pack(quant.quantize(jnp.asarray(x_rot, jnp.bfloat16), cfg, 0.9), 2, channel_major=channel_major)
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(want.codes))
+    np.testing.assert_array_equal(np.asarray(lo), np.asarray(want.lo))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(want.scale))
+
+
 def test_quantize_pack_nan_stays_in_its_token():
     """A NaN input element (spread by the rotation over its token) gives NaN metadata and
     code 0 for that token only, exactly as the XLA quantiser on the rotated input."""
@@ -306,9 +327,10 @@ def test_mgpu_deeper_tma_pipeline_matches_reference():
 def test_decode_finish_matches_a_direct_merge(d, g, cols, splits):
     """decode_finish against an XLA oracle: the bf16 sink + ring attention (ring positions
     from `cache.ring_positions`) and a log-sum-exp over every partial column c % cols == i,
-    with empty (-inf) partials and rows whose history or ring is empty."""
+    with empty (-inf) partials and rows whose history or ring is empty. The ring of 192
+    takes several sink/ring steps at every D."""
     rng = np.random.default_rng([d, g, splits])
-    b, hkv, sink, window = 4, 2, 8, 64
+    b, hkv, sink, window = 4, 2, 8, 192
     lengths = np.array([3, sink + 10, sink + window + 50, 1000], np.int32)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     q = f32(b, hkv, g, d) * 0.2
