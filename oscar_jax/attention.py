@@ -80,7 +80,8 @@ def resolve(implementation: str, spec: CacheSpec, queries: int, group: int,
     return implementation
 
 
-def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendFn:
+def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
+                  rotates_queries: bool = False) -> AttendFn:
     """Adapt a plain-array kernel to `attend`'s signature.
 
     The kernel sees rotated queries and returns outputs in the R_V basis:
@@ -93,7 +94,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendF
         -> (o_rot f32 [B, C, Hq, D], lse f32 [B, C, Hq])
     `interpret` is True when running on CPU (tests); q rotation (by
     `params.query_rot`) and the back-rotation (by `params.output_rot`) happen
-    here, in XLA.
+    here, in XLA. rotates_queries: the kernel takes the model-basis q as it is
+    and the rotation as `query_rot=` f32 [Hkv, D, D], and rotates it itself.
     """
 
     def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None):
@@ -101,15 +103,18 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]]) -> AttendF
         hi = jax.lax.Precision.HIGHEST
         b, c, hq, d = q.shape
         heads = (b, c, spec.kv_heads, hq // spec.kv_heads, d)  # query head h * g + i of KV head h
-        q_rot = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
-                           precision=hi).reshape(q.shape)
         scale = spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        if rotates_queries:
+            q_in, extra = q, {"query_rot": params.query_rot}
+        else:
+            q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
+                                     precision=hi).reshape(q.shape), {}
         o_rot, lse = kernel(
-            q_rot, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
+            q_in, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
             cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
             cache.recent_k, cache.recent_v, cache.lengths,
             sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,
-            softmax_scale=scale, interpret=jax.default_backend() == "cpu",
+            softmax_scale=scale, interpret=jax.default_backend() == "cpu", **extra,
         )
         if not params.v_folded:
             o_rot = jnp.einsum("bckge,kde->bckgd", o_rot.reshape(heads), params.output_rot,
@@ -168,7 +173,7 @@ from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention
 # the Triton kernel at D = 128 (B8 H32/8: 0.33 vs 0.78 ms at 128K, 0.11 vs 0.25 ms at 32K)
 # and lost at D = 256 (Gemma-3 B8 32K: 0.107 vs 0.088 ms) and D = 64 (SmolLM2 B8 8K: 0.035
 # vs 0.031 ms).
-register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention),
+register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates_queries=True),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
                                                 and _mgpu_attention.device_supported()),
          prefer=lambda spec, queries, group: spec.head_dim == 128)

@@ -99,13 +99,15 @@ def _random_case(rng, spec: CacheSpec, g: int, c: int, lengths: np.ndarray, k_sh
     return q, cache, params
 
 
-def _check_attention(rng, spec, g, c, lengths, kernel=None, k_shift=False, implementation="pallas"):
-    """kernel: a `mixed_attention`-like function; None runs `attend(implementation=...)`."""
+def _check_attention(rng, spec, g, c, lengths, kernel=None, k_shift=False, implementation="pallas",
+                     rotates_queries=False):
+    """kernel: a `mixed_attention`-like function (rotates_queries: it rotates q itself); None
+    runs `attend(implementation=...)`."""
     q, cache, params = _random_case(rng, spec, g, c, lengths, k_shift=k_shift)
     if kernel is None:
         o, lse = _attend(q, cache, params, implementation=implementation)
     else:
-        o, lse = jax.jit(attention.kernel_attend(kernel))(q, cache, params)
+        o, lse = jax.jit(attention.kernel_attend(kernel, rotates_queries=rotates_queries))(q, cache, params)
     o_ref, lse_ref = _reference(q, cache, params)
     assert o.shape == o_ref.shape and lse.shape == lse_ref.shape
     assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
@@ -311,16 +313,18 @@ def test_mgpu_attention_matches_reference(case, pattern):
     rng = np.random.default_rng([d, g, hist, target, pattern])
     assert mixed_attention_mgpu.supports(spec, 1, g)
     kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target)
-    _check_attention(rng, spec, g, 1, _lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True)
+    _check_attention(rng, spec, g, 1, _lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True,
+                     rotates_queries=True)
 
 
 def test_mgpu_deeper_tma_pipeline_matches_reference():
     """buffers=3: steps i + 1 and i + 2 in flight while step i is computed (4 steps: the
-    buffers wrap)."""
+    buffers wrap); queries rotated in XLA (prepare_queries' query_rot=None path)."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1024)
     rng = np.random.default_rng(3)
     kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=8, buffers=3)
-    _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True)
+    _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True,
+                     rotates_queries=False)
 
 
 @pytest.mark.parametrize("d,g,cols,splits", [(128, 3, 4, 5), (256, 1, 1, 19), (64, 8, 8, 2)])
@@ -363,17 +367,47 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits):
         np.testing.assert_allclose(np.asarray(o[:, :, i]), np.asarray(want_o), rtol=1e-4, atol=1e-4)
 
 
-def test_mgpu_query_split_is_finer_than_bf16():
-    """q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo: within q_step / 2 (+ the rare clipped
-    q_lo), far under a bf16 rounding of q."""
-    q = jnp.asarray(np.random.default_rng(5).standard_normal((3, 8, 128)) * 3, jnp.float32)
-    hi, lo, step = mixed_attention_mgpu.split_query(q)
-    assert hi.dtype == lo.dtype == jnp.int8
-    approx = step[..., None] * (256.0 * hi.astype(jnp.float32) + lo.astype(jnp.float32))
-    err = float(jnp.max(jnp.abs(approx - q) / jnp.max(jnp.abs(q), axis=-1, keepdims=True)))
-    bf16_err = float(jnp.max(jnp.abs(q.astype(jnp.bfloat16).astype(jnp.float32) - q)
-                             / jnp.max(jnp.abs(q), axis=-1, keepdims=True)))
-    assert err <= 1.0 / (127 * 256) and err < bf16_err / 10
+QUERY_LAYOUT_CASES = [(128, 4, True), (256, 3, True), (64, 1, False)]
+
+
+@pytest.mark.parametrize("d,g,rotate", QUERY_LAYOUT_CASES)
+def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
+    """prepare_queries against an XLA oracle: column c of the N = 8 query columns is query
+    c % (8 / P) of column block c // (8 / P) (zeros in the other blocks and in padding
+    columns), q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo within q_step / 2 (+ the rare
+    clipped q_lo), far under a bf16 rounding of q; Σq per column; the rotated queries to
+    f32 precision (a TF32 rotation fails)."""
+    rng = np.random.default_rng([d, g])
+    b, hkv, scale = 3, 2, d ** -0.5
+    q = jnp.asarray(rng.standard_normal((b, hkv * g, d)) * 3, jnp.float32)
+    rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32)
+    packed = mixed_attention_mgpu.slices_per_tile(g, d)
+    blocks, qcol, q_nat = mixed_attention_mgpu.prepare_queries(
+        q, rot if rotate else None, kv_heads=hkv, softmax_scale=scale, packed=packed, interpret=interpret)
+    heads = q.reshape(b, hkv, g, d)
+    want = jnp.einsum("bhgd,hde->bhge", heads, rot, precision=jax.lax.Precision.HIGHEST) if rotate else heads
+    cols = 8 // packed
+    owner = np.arange(8) % cols  # the query of each column; columns with owner >= g are padding
+    want_cols = jnp.where(jnp.asarray(owner < g)[:, None], want[:, :, np.minimum(owner, g - 1)] * scale, 0.0)
+    np.testing.assert_allclose(np.asarray(q_nat), np.asarray(want_cols), rtol=1e-5, atol=1e-5)
+    want2 = want_cols * np.log2(np.e)
+    hi = sum(blocks[:, :, j].astype(jnp.float32) for j in range(packed))  # one block per column
+    lo = sum(blocks[:, :, packed + j].astype(jnp.float32) for j in range(packed))
+    for j in range(packed):  # outside its column block a block is 0
+        outside = np.arange(8) // cols != j
+        assert not np.any(np.asarray(blocks[:, :, j])[:, :, outside])
+        assert not np.any(np.asarray(blocks[:, :, packed + j])[:, :, outside])
+    step, q_sum = qcol[:, :, 0, 0], qcol[:, :, 1, 0]
+    assert bool(jnp.all(qcol[:, :, :, 1:] == qcol[:, :, :, :1]))  # the same in every row
+    approx = step[..., None] * (256.0 * hi + lo)
+    peak = jnp.max(jnp.abs(want2), axis=-1, keepdims=True)
+    real = owner < g
+    err = float(jnp.max((jnp.abs(approx - want2) / jnp.where(peak > 0, peak, 1.0))[:, :, real]))
+    bf16_err = float(jnp.max((jnp.abs(want2.astype(jnp.bfloat16).astype(jnp.float32) - want2)
+                              / jnp.where(peak > 0, peak, 1.0))[:, :, real]))
+    assert err <= 1.0 / (127 * 256) + 1e-6 and err < bf16_err / 10
+    assert not np.any(np.asarray(hi)[:, :, ~real]) and not np.any(np.asarray(lo)[:, :, ~real])
+    np.testing.assert_allclose(np.asarray(q_sum), np.asarray(jnp.sum(want2, axis=-1)), rtol=1e-4, atol=1e-4)
 
 
 def test_mgpu_refuses_what_it_does_not_handle():
@@ -412,9 +446,10 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
 
 
-def test_mgpu_lowers_for_cuda():
+@pytest.mark.parametrize("rotate", [True, False])
+def test_mgpu_lowers_for_cuda(rotate):
     """B8 H32/8 at 32K: Mosaic GPU's layout inference, wgmma and TMA checks for sm_90, and the
-    Triton lowering of decode_finish."""
+    Triton lowering of prepare_queries (with and without the rotation) and decode_finish."""
     b, hkv, g, d, rows, sink, window = 8, 8, 4, 128, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
@@ -424,7 +459,10 @@ def test_mgpu_lowers_for_cuda():
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
     fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
                            levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False)
-    _lower_for_h200(fn, args)
+    if rotate:
+        _lower_for_h200(lambda *a: fn(*a[:-1], query_rot=a[-1]), (*args, sds((hkv, d, d), jnp.float32)))
+    else:
+        _lower_for_h200(fn, args)
 
 
 # ---------------------------------------------------------------------------------------
@@ -460,6 +498,13 @@ def test_mgpu_attention_on_gpu(case):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("d,g,rotate", QUERY_LAYOUT_CASES)
+def test_mgpu_query_layout_on_gpu(d, g, rotate):
+    test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=False)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("d,g", [(128, 4), (256, 4), (64, 3)])
 def test_mgpu_attention_on_gpu_real_windows(d, g):
     """Production sink/window (64/256: decode_finish's bf16 blocks at full size), a ragged
@@ -467,7 +512,7 @@ def test_mgpu_attention_on_gpu_real_windows(d, g):
     spec = _spec(d, d, "uniform", "bfloat16", sink=64, window=256, hist=2048)
     rng = np.random.default_rng([d, g])
     _check_attention(rng, spec, g, 1, np.array([1, 64 + 256 + 1, 1700, spec.max_len], np.int32),
-                     kernel=mixed_attention_mgpu.mixed_attention)
+                     kernel=mixed_attention_mgpu.mixed_attention, rotates_queries=True)
 
 
 @pytest.mark.gpu

@@ -53,7 +53,7 @@ def _split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_out_ref, *,
             g: int, cols: int, splits: int, sink: int, window: int, d: int, interpret: bool):
     b, h = pl.program_id(0), pl.program_id(1)
-    gq, db = o_ref.shape  # this program's output channels: block program_id(2) of db
+    gq, db = _pow2(g), min(d, _D_BLOCK)  # this program's output channels: block program_id(2) of db
     n = n_ref[b]
     qrow = jnp.arange(gq)
     dcol = jnp.arange(d)  # scores take every channel
@@ -61,8 +61,10 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
 
     # bf16 segments: sink (positions 0..S0-1) and the recent ring (slot j holds the newest
     # position p < n with (p - S0) % W == j: layout.ring_position), natural base.
-    q = plgpu.load(q_ref.at[b, h, jnp.minimum(qrow, g - 1)[:, None], dcol[None, :]],
-                   mask=(qrow < g)[:, None], other=0.0)
+    # Rows past g (padding up to a power of two) repeat query g - 1, so that the stores of
+    # the outputs go unmasked (the copies write the same values).
+    qidx = jnp.minimum(qrow, g - 1)
+    q = plgpu.load(q_ref.at[b, h, qidx[:, None], dcol[None, :]])
     q_hi, q_lo = _split_bf16(q)
     def segment(k_ref, v_ref, size, positions, carry):
         """Online softmax over one bf16 segment in blocks of `_dense_block(d)` tokens."""
@@ -99,7 +101,7 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
     chunk = max(1, _CHUNK_ELEMENTS // (8 * db))  # splits per step
     r = jnp.arange(8 * chunk)
     col = r % 8
-    mine = (col % cols)[None, :] == qrow[:, None]  # [GQ, R]
+    mine = (col % cols)[None, :] == qidx[:, None]  # [GQ, R]
 
     def merge(i, carry):
         m, l, acc = carry
@@ -130,40 +132,40 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
     w_d = jnp.where(l_d > 0, jnp.exp(lse_d - top) / jnp.where(l_d > 0, l_d, 1.0), 0.0)
     total = jnp.where(l_h > 0, jnp.exp(lse_h - top), 0.0) + jnp.where(l_d > 0, jnp.exp(lse_d - top), 0.0)
     safe = jnp.where(total > 0, total, 1.0)
-    o_ref[...] = (acc_h * w_h[:, None] + o_d * w_d[:, None]) / safe[:, None]
-    lse_out_ref[...] = jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
+    plgpu.store(o_ref.at[b, h, qidx[:, None], vcol[None, :]],
+                (acc_h * w_h[:, None] + o_d * w_d[:, None]) / safe[:, None])
+    plgpu.store(lse_out_ref.at[b, h, qidx], jnp.where(total > 0, top + jnp.log(safe), -jnp.inf))  # same per block
 
 
 def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, cols: int,
-                  sink: int, window: int, interpret: bool = False):
+                  sink: int, window: int, g: int | None = None, interpret: bool = False):
     """Attend the bf16 segments and merge them with the history partials.
 
-    q: f32 [B, Hkv, g, D] (softmax scale folded in, natural base); o_t: f32 [B, Hkv, S, D, 8]
+    q: f32 [B, Hkv, R, D] (softmax scale folded in, natural base), of which rows 0..g-1 are
+    the g queries (g: R when None); o_t: f32 [B, Hkv, S, D, 8]
     normalised history partials, column c for query c % cols; lse2: f32 [B, Hkv, S, 8] their
     log-sum-exp in base 2 (-inf: nothing seen); sink_k/v bf16 [B, Hkv, S0, D]; recent_k/v
     bf16 [B, Hkv, W, D]; lengths int32 [B]. Returns (o f32 [B, Hkv, g, D], lse f32 [B, Hkv, g],
     natural base).
     """
-    b, hkv, g, d = q.shape
+    b, hkv, rows, d = q.shape
+    g = rows if g is None else g
     splits = o_t.shape[2]
-    if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= cols <= 8:
+    if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= min(cols, rows) <= 8:
         raise ValueError(f"o_t.shape={o_t.shape}, lse2.shape={lse2.shape}, g={g}, cols={cols}: expected "
-                         f"[B={b}, Hkv={hkv}, S, D={d}, 8], [B, Hkv, S, 8] and g <= cols <= 8")
-    gq, db = _pow2(g), min(d, _D_BLOCK)
+                         f"[B={b}, Hkv={hkv}, S, D={d}, 8], [B, Hkv, S, 8] and g <= cols <= 8, g <= q.shape[2]")
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, gq, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, d // db, gq), jnp.float32)]  # lse: the same per block
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), jnp.float32), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     arrays = (lengths.astype(jnp.int32), q, o_t, lse2, sink_k, sink_v, recent_k, recent_v)
     o, lse = pl.pallas_call(
         functools.partial(_kernel, g=g, cols=cols, splits=splits, sink=sink, window=window, d=d,
                           interpret=interpret),
-        grid=(b, hkv, d // db),
+        grid=(b, hkv, d // min(d, _D_BLOCK)),
         in_specs=[full(x) for x in arrays],
-        out_specs=[pl.BlockSpec((None, None, gq, db), lambda i, j, k: (i, j, 0, k)),
-                   pl.BlockSpec((None, None, None, gq), lambda i, j, k: (i, j, k, 0))],
+        out_specs=[full(o) for o in out_shape],
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="oscar_decode_finish",
     )(*arrays)
-    return o[:, :, :g], lse[:, :, 0, :g]
+    return o, lse

@@ -28,7 +28,12 @@ each column block is one more partial softmax for the merge, so padding columns 
 
 One program per (batch row, KV head, history split), one warpgroup; each step moves 64
 packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their metadata into
-shared memory with TMA, `buffers` steps deep.
+shared memory with TMA, `buffers` steps deep. Only a split's last step masks (tokens past
+the history, rows a tile moved back repeats). The V products' B operands are zero outside
+their slice's column block once, before the loop, so each step stores only the weights.
+
+Three launches per call: `prepare_queries` (one Triton kernel: the query rotation, the
+softmax scale and every query layout the MMAs need), this kernel, and `decode_finish`.
 
 Scope (`supports`): C = 1, D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata,
 g <= 8, packed history rows fewer than 64 (padded here) or a multiple of 64 (whole TMA
@@ -51,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plgpu_triton
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
@@ -65,6 +71,7 @@ _W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
 _W_LO = 254.0
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _LOG2E = 1.4426950408889634
+_RINT, _RINT_BITS = 12582912.0, 0x4B400000  # 1.5 * 2^23 and its bits as an f32
 
 
 def _int8_tiles(minor: int) -> tuple:
@@ -99,18 +106,28 @@ def _slice_codes(packed: jax.Array, s: int, *, interpret: bool) -> jax.Array:
     return convert(packed)
 
 
-def _store_weights(w_smem, tiles, *, interpret: bool) -> None:
+def _store_weights(w_smem, tiles, *, cols: int, zero: bool = False, interpret: bool) -> None:
     """Store int32 [64, 8] weight tiles (WGMMA layout, values in [-127, 127]) as int8,
-    transposed: tiles[2 s + k] into w_smem[s, k] of [4, 2, 8, 64] (tiled (8, 64), 64-byte
-    swizzle; k = 0: hi, 1: lo), the K-major B operands of the V products.
+    transposed, into the K-major B operands of the V products, w_smem [4, 2, 8, 64] int8
+    (slice, hi/lo, column, token; tiled (8, 64), 64-byte swizzle): tiles[2 t + k] holds, in
+    column block j (columns j * cols ... + cols - 1), slice t * P + j, which it fills there.
+    Every other column of a slice's operand stays 0: `zero` writes that once, before the
+    loop (tiles ignored), and no later store touches those bytes.
 
     Compiled, each element is one byte store at its swizzled address (Mosaic GPU has no
     transposed 8-bit store before Blackwell). In the [8, 64] tile, element (row r, column j)
-    sits at byte 64 j + r, whose 16-byte chunk (bits 4-5) is XORed with bits 7-8.
+    sits at byte 64 j + r, whose 16-byte chunk (bits 4-5) is XORed with bits 7-8. A thread's
+    two columns of a WGMMA tile lie in one column block (cols is even or 8), so it stores
+    each element once, into its block's slice.
     """
+    packed = _N // cols
     if interpret:
-        for t, x in enumerate(tiles):
-            w_smem.at[t // 2, t % 2].T[...] = x.astype(jnp.int8)
+        col_block = jnp.arange(_N)[None, :] // cols
+        for s in range(_TPB):
+            for k in range(2):
+                x = jnp.zeros((_ROWS, _N), jnp.int32) if zero else \
+                    jnp.where(col_block == s % packed, tiles[2 * (s // packed) + k], 0)
+                w_smem.at[s, k].T[...] = x.astype(jnp.int8)
         return
 
     @plgpu.inline_mgpu(arg_types=((plgpu.Layout.WGMMA,) * len(tiles), plgpu.RefType(_int8_tiles(_ROWS))))
@@ -120,17 +137,28 @@ def _store_weights(w_smem, tiles, *, interpret: bool) -> None:
         const = lambda v: arith.constant(i32, v)
         base = mgpu.utils.memref_ptr(ref)
         layout = arrays[0].layout
+        tile_bytes = _N * _ROWS
         for reg_idx, (row, col) in zip(np.ndindex(arrays[0].registers.shape),
                                        layout.thread_idxs(arrays[0].shape)):
             row, col = (arith.index_castui(i32, x) for x in (row, col))
             for e in range(layout.vector_length):  # column col + e
-                offset = arith.addi(arith.muli(arith.addi(col, const(e)), const(_ROWS)), row)
+                column = arith.addi(col, const(e))
+                offset = arith.addi(arith.muli(column, const(_ROWS)), row)
                 chunk = arith.andi(arith.shrui(offset, const(3)), const(0x30))
                 offset = arith.xori(offset, chunk)
-                for t, x in enumerate(arrays):
+                if zero:  # this thread's bytes of every slice's hi and lo tiles
+                    for t in range(2 * _TPB):
+                        ptr = mgpu.utils.getelementptr(base, [arith.addi(offset, const(t * tile_bytes))], i8)
+                        llvm.store(arith.constant(i8, 0), ptr)
+                    continue
+                # tile base of (slice t * P + column // cols, k): ((t P + block) * 2 + k) * 512
+                block_base = arith.muli(arith.divui(column, const(cols)), const(2 * tile_bytes))
+                offset = arith.addi(offset, block_base)
+                for i, x in enumerate(arrays):
+                    t, k = divmod(i, 2)
                     value = arith.trunci(i8, llvm.extractelement(x.registers[reg_idx], const(e)))
-                    ptr = mgpu.utils.getelementptr(base, [arith.addi(offset, const(t * _N * _ROWS))], i8)
-                    llvm.store(value, ptr)
+                    at = arith.addi(offset, const((2 * t * packed + k) * tile_bytes))
+                    llvm.store(value, mgpu.utils.getelementptr(base, [at], i8))
 
     store(tuple(tiles), w_smem)
 
@@ -138,10 +166,11 @@ def _store_weights(w_smem, tiles, *, interpret: bool) -> None:
 def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             o_ref, lse_ref, *, q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem,
             lse_smem, q_bar, tile_bars, stage_k=None, stage_v=None,
-            split_rows: int, hist_rows: int, head_dim: int, packed: int, buffers: int, interpret: bool):
+            split_rows: int, hist_rows: int, hist_tokens: int, head_dim: int, packed: int, buffers: int,
+            dense: int, interpret: bool):
     b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("split")
     n_tiles = _TPB // packed  # score tiles per step; tile t holds slices t * packed + j
-    n_hist = n_ref[b]
+    n_hist = jnp.clip(n_ref[b] - dense, 0, hist_tokens)  # history tokens of this row (n_ref: lengths)
     valid_rows = (n_hist + _TPB - 1) // _TPB
     r_begin = sp * split_rows
     r_end = jnp.minimum(r_begin + split_rows, valid_rows)
@@ -197,7 +226,9 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         plgpu.commit_smem()
         return stage.at[s]
 
-    def step(i, carry):
+    def step(i, carry, *, last: bool):
+        """Step i; only the last step of a split masks (tokens past n_hist, and rows that a
+        tile moved back to the array's end repeats)."""
         acc, m, l_part, lo_part = carry
         slot = lax.rem(i, buffers)
         ahead = i + buffers - 1  # into the buffer step i - 1 read (its data is in registers)
@@ -206,7 +237,6 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         with jax.named_scope("tma_wait"):  # phases name the regions of a Mosaic GPU profile
             plgpu.barrier_wait(tile_bars.at[slot])
         r_nominal, r0 = tile_start(i)
-        fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
         packed_k = plgpu.load(ck_smem.at[slot], layout=codes_layout)  # [64, D]
 
         def load_rest():
@@ -237,10 +267,13 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
                 lo_k, scale_k = meta[t][0], meta[t][1]
                 raw = (raws[2 * t] * int(_Q_LO) + raws[2 * t + 1]).astype(jnp.float32)
                 sc = scale_k * (q_step * raw) + lo_k * q_sum
-                token = _TPB * (r0 + row_ids) + t * packed + col_block
-                scores.append(jnp.where(fresh & (token < n_hist), sc, -jnp.inf))
+                if last:
+                    fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
+                    token = _TPB * (r0 + row_ids) + t * packed + col_block
+                    sc = jnp.where(fresh & (token < n_hist), sc, -jnp.inf)
+                scores.append(sc)
             m_new = jnp.maximum(m, functools.reduce(jnp.maximum, scores).max(axis=0))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if last else m_new  # finite if unmasked
             alpha = jnp.exp2(m - m_use)
             probs = [jnp.exp2(sc - by_col(m_use)) for sc in scores]
             weights = [p * meta[t][3] for t, p in enumerate(probs)]
@@ -252,12 +285,9 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
                 x = w * by_col(w_inv)
                 w_hi = jnp.round(x)
                 w_lo = jnp.round((x - w_hi) * _W_LO)
-                for j in range(packed):  # slice t * packed + j: its column block, zeros elsewhere
-                    keep = col_block == j
-                    w_tiles += [jnp.where(keep, w_hi, 0.0).astype(jnp.int32),
-                                jnp.where(keep, w_lo, 0.0).astype(jnp.int32)]
+                w_tiles += [w_hi.astype(jnp.int32), w_lo.astype(jnp.int32)]
                 w_errors.append(w - (w_hi * _W_LO + w_lo) * by_col(w_step))
-            _store_weights(w_smem, w_tiles, interpret=interpret)
+            _store_weights(w_smem, w_tiles, cols=_N // packed, interpret=interpret)
             plgpu.commit_smem()
 
         def partial_sums(l_part, lo_part):
@@ -284,10 +314,14 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         return (acc, m_new, *sums)
 
     wgmma_tile = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
+    _store_weights(w_smem, (wgmma_tile(tile).astype(jnp.int32),), cols=_N // packed, zero=True,
+                   interpret=interpret)  # the zero columns of every V-product B operand
     init = (wgmma_tile((head_dim, _N)),
             plgpu.layout_cast(jnp.full((_N,), -jnp.inf, jnp.float32), wgmma_layout.reduce(0)),
             wgmma_tile(tile), wgmma_tile(tile))
-    acc, m, l_part, lo_part = lax.fori_loop(0, steps, step, init)
+    carry = lax.fori_loop(0, steps - 1, functools.partial(step, last=False), init)
+    acc, m, l_part, lo_part = lax.fori_loop(jnp.maximum(steps - 1, 0), steps,
+                                            functools.partial(step, last=True), carry)
     l, lo_acc = l_part.sum(axis=0), lo_part.sum(axis=0)
     safe_l = jnp.where(l > 0, l, 1.0)
     o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
@@ -298,16 +332,89 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     plgpu.wait_smem_to_gmem(0)
 
 
-def split_query(q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q f32 [..., 8, D] -> (int8 q_hi, int8 q_lo [..., 8, D], q_step f32 [..., 8]) with
-    q ≈ q_step * (256 q_hi + q_lo): |error| <= q_step / 2 (+ a clipped q_lo), i.e. about 16
-    bits relative to max |q| of each row."""
-    peak = jnp.max(jnp.abs(q), axis=-1, keepdims=True)
+def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q f32 [..., D] (a row or a chunk of one) and peak f32 [...] (max |q| over the whole
+    row) -> (int8 q_hi, int8 q_lo [..., D], q_step f32 [...]) with q ≈ q_step * (256 q_hi +
+    q_lo): |error| <= q_step / 2 (+ a clipped q_lo), about 16 bits relative to the peak."""
     unit = jnp.where(peak > 0, peak / _W_MAX, 1.0)  # q / unit in [-127, 127]
-    x = q / unit
-    hi = jnp.round(x)
-    lo = jnp.clip(jnp.round((x - hi) * _Q_LO), -127, 127)
-    return hi.astype(jnp.int8), lo.astype(jnp.int8), unit[..., 0] / _Q_LO
+    x = q / unit[..., None]
+    # Half to even for |v| < 2^22 (Triton lowers no round): v + 1.5 * 2^23 has a unit ulp.
+    rint = lambda v: lax.bitcast_convert_type(v + _RINT, jnp.int32) - _RINT_BITS
+    hi = rint(x)
+    lo = jnp.clip(rint((x - hi.astype(jnp.float32)) * _Q_LO), -127, 127)
+    return hi.astype(jnp.int8), lo.astype(jnp.int8), unit / _Q_LO
+
+
+def _prep_kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpret: bool):
+    """One (batch row, KV head): rotate its g queries, fold in the softmax scale, and lay
+    them out for the MMAs (see `prepare_queries`)."""
+    rot_ref, qb_ref, qcol_ref, qn_ref = refs if rotate else (None, *refs)
+    b, h = pl.program_id(0), pl.program_id(1)
+    d, packed = q_ref.shape[-1], _N // cols
+    # Row c of a [16, .] tile (a dot's least M) is column c of the MMA's N = 8; rows 8-15 repeat
+    # row 7, so that every store can go unmasked (the copies write the same values).
+    c = jnp.minimum(jnp.arange(2 * _N), _N - 1)
+    use = c % cols < g  # column c takes query c % cols of column block c // cols
+    heads = (h * g + jnp.minimum(c % cols, g - 1))[:, None]
+    tile_rows = c[:, None]
+    cw = min(d, 64)  # rotated channels per chunk ([D, 64] of the rotation per product)
+    chunks = [j * cw + jnp.arange(cw) for j in range(d // cw)]
+    # The rotation: three bf16 MMAs per product on the GPU (~17 bits, finer than the ~16 of
+    # the q_hi/q_lo split; six, for ~f32, took 10.3 against ~5 us per call with TF32, which is
+    # too coarse), exact f32 in interpret mode.
+    if rotate:
+        precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+        x = plgpu_triton.load(q_ref.at[b, heads, jnp.arange(d)[None, :]], mask=use[:, None], other=0.0)
+        xs = [jnp.dot(x.astype(jnp.float32), rot_ref[h, :, pl.ds(j * cw, cw)], precision=precision)
+              for j in range(d // cw)]
+    else:
+        xs = [plgpu_triton.load(q_ref.at[b, heads, ch[None, :]], mask=use[:, None], other=0.0).astype(jnp.float32)
+              for ch in chunks]
+    xs = [x * scale for x in xs]
+    for ch, x in zip(chunks, xs):  # natural base, for decode_finish
+        plgpu_triton.store(qn_ref.at[b, h, tile_rows, ch[None, :]], x)
+    xs = [x * _LOG2E for x in xs]  # the kernel's scores are in base 2
+    peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in xs])
+    for ch, x in zip(chunks, xs):
+        q_hi, q_lo, q_step = split_query(x, peak)
+        for k, part in enumerate((q_hi, q_lo)):
+            for j in range(packed):  # column block j: zeros outside it
+                plgpu_triton.store(qb_ref.at[b, h, k * packed + j, tile_rows, ch[None, :]],
+                            jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
+    q_sum = sum(jnp.sum(x, axis=1) for x in xs)
+    rows = jnp.arange(_ROWS)[:, None]
+    for k, vec in enumerate((q_step, q_sum)):  # the same in every row of the [64, 8] tile
+        plgpu_triton.store(qcol_ref.at[b, h, k, rows, tile_rows.T], jnp.broadcast_to(vec[None, :], (_ROWS, 2 * _N)))
+
+
+def prepare_queries(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int,
+                    interpret: bool = False):
+    """q [B, Hq, D] (model basis, or rotated when query_rot is None); query_rot f32
+    [Hkv, D, D] or None. Returns, per (batch row, KV head), in one Triton kernel:
+    q_blocks int8 [B, Hkv, 2P, 8, D] (q_hi in blocks 0..P-1, q_lo in P..2P-1; block j holds
+    column block j of the N = 8 query columns, zeros elsewhere), qcol f32 [B, Hkv, 2, 64, 8]
+    (q_step and Σq of each column, repeated over the 64 rows of a score tile), both in base 2
+    (log2 e folded in), and q_cols f32 [B, Hkv, 8, D], the columns' scaled rotated queries
+    in the natural base. Column c is query c % (8 / P) (so columns 0..g-1 are queries
+    0..g-1); padding columns are 0."""
+    b, hq, d = q.shape
+    g, cols = hq // kv_heads, _N // packed
+    rotate = query_rot is not None
+    inputs = (q, query_rot.astype(jnp.float32)) if rotate else (q,)
+    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, 2 * packed, _N, d), jnp.int8),
+                 jax.ShapeDtypeStruct((b, kv_heads, 2, _ROWS, _N), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv_heads, _N, d), jnp.float32)]
+    return pl.pallas_call(
+        functools.partial(_prep_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, interpret=interpret),
+        grid=(b, kv_heads),
+        in_specs=[full(x.shape) for x in inputs],
+        out_specs=[full(o.shape) for o in out_shape],
+        out_shape=out_shape,
+        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="oscar_prepare_queries",
+    )(*inputs)
 
 
 def slices_per_tile(g: int, head_dim: int) -> int:
@@ -339,13 +446,17 @@ def device_supported() -> bool:
     return device.platform == "cpu" or getattr(device, "compute_capability", None) == "9.0"
 
 
-def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
+def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
-                    interpret: bool = False, target_programs: int | None = None, buffers: int = 3):
-    """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`.
+                    interpret: bool = False, target_programs: int | None = None, buffers: int = 3,
+                    query_rot: jax.Array | None = None):
+    """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
+    except that the query rotation may be left to this kernel.
 
-    q_rot: f32 [B, 1, Hq, D]; hist_codes_k uint8 [B, Hkv, T_hist/4, D]; hist_codes_v uint8
+    q: [B, 1, Hq, D], rotated, or in the model basis when query_rot f32 [Hkv, D, D] is given
+    (`prepare_queries` rotates it: one kernel for the rotation and every query layout the
+    MMAs need, where XLA took about ten small ops); hist_codes_k uint8 [B, Hkv, T_hist/4, D]; hist_codes_v uint8
     [B, Hkv, D, T_hist/4] (channel-major); lo/scale bf16 [B, Hkv, 1, 4, T_hist/4];
     sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B]. Returns (o_rot f32
     [B, 1, Hq, D], lse f32 [B, 1, Hq]). target_programs: history splits are chosen for
@@ -354,13 +465,13 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     buffers: TMA pipeline depth (3 was faster than 2 at D = 128 in
     each of three H200 runs).
     """
-    b, c, hq, d = q_rot.shape
+    b, c, hq, d = q.shape
     hkv = sink_k.shape[1]
     g = hq // hkv
     rows = hist_codes_k.shape[2]
     if c != 1 or g > _N or d not in (64, 128, 256) or hist_lo_k.shape[2] != 1 or bits != 2 or \
             tuple(levels) != (0.0, 1.0, 2.0, 3.0) or hist_lo_k.dtype != jnp.bfloat16:
-        raise ValueError(f"q_rot.shape={q_rot.shape}, groups={hist_lo_k.shape[2]}, bits={bits}, "
+        raise ValueError(f"q.shape={q.shape}, groups={hist_lo_k.shape[2]}, bits={bits}, "
                          f"metadata {hist_lo_k.dtype}: this kernel needs C=1, g<=8, D in (64, 128, 256), G=D, "
                          "uniform 2-bit codes and bf16 metadata")
     if hist_codes_v.shape != (b, hkv, d, rows):
@@ -369,18 +480,12 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
     if rows >= _ROWS and rows % _ROWS:
         raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: T_hist/4 must be a multiple of {_ROWS} "
                          "(whole TMA tiles; CacheSpec allocates a longer history in 256-token tiles)")
-    q = (q_rot[:, 0].astype(jnp.float32) * softmax_scale).reshape(b, hkv, g, d)
+    if query_rot is not None and query_rot.shape != (hkv, d, d):
+        raise ValueError(f"query_rot.shape={query_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
     packed = slices_per_tile(g, d)
     cols = _N // packed  # query columns per slice: g padded
-    # Column c of the MMA's N = 8 is query c % cols of slice block c // cols (scores in base 2).
-    q_cols = jnp.tile(jnp.pad(q * _LOG2E, ((0, 0), (0, 0), (0, cols - g), (0, 0))), (1, 1, packed, 1))
-    q_hi, q_lo, q_step = split_query(q_cols)
-    block = np.arange(_N) // cols  # [8]: the column block of each column
-    in_block = jnp.asarray(block[None, :] == np.arange(packed)[:, None])[:, :, None]  # [P, 8, 1]
-    q_blocks = jnp.stack([jnp.where(in_block, x[:, :, None], 0) for x in (q_hi, q_lo)], axis=2)
-    q_sum = jnp.sum(q_cols, axis=-1)
-    qcol = jnp.broadcast_to(jnp.stack([q_step, q_sum], axis=2)[:, :, :, None, :], (b, hkv, 2, _ROWS, _N))
-    n_hist = jnp.clip(lengths.astype(jnp.int32) - window - sink, 0, rows * _TPB)
+    q_blocks, qcol, q_nat = prepare_queries(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale,
+                                            packed=packed, interpret=interpret)
 
     codes_k, codes_v = hist_codes_k, hist_codes_v
     meta = [x.reshape(b, hkv, _TPB, rows) for x in (hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v)]
@@ -410,8 +515,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         scratch["stage_k"] = plgpu.SMEM((_TPB, _ROWS, d), jnp.int8, transforms=_int8_tiles(d))
         scratch["stage_v"] = plgpu.SMEM((_TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, head_dim=d, packed=packed,
-                          buffers=buffers, interpret=interpret),
+        functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, hist_tokens=rows * _TPB,
+                          head_dim=d, packed=packed, buffers=buffers, dense=sink + window, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits, d, _N), jnp.float32),
                   jax.ShapeDtypeStruct((b, hkv, num_splits, _N), jnp.float32)],
         scratch_types=scratch,
@@ -420,9 +525,8 @@ def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    q_blocks = q_blocks.reshape(b, hkv, 2 * packed, _N, d)  # [hi blocks, lo blocks]
-    o_t, lse2 = kernel(n_hist, q_blocks, qcol, codes_k, codes_v, *meta)
+    o_t, lse2 = kernel(lengths.astype(jnp.int32), q_blocks, qcol, codes_k, codes_v, *meta)
     # The bf16 sink and recent ring, and the merge of every (split, column block) partial.
-    o, lse = decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, cols=cols,
+    o, lse = decode_finish(q_nat, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, g=g, cols=cols,
                            sink=sink, window=window, interpret=interpret)
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
