@@ -17,7 +17,9 @@ so that index [g, s, i] is token tpb*i + s: each unpacked slice reads its
 metadata contiguously.
 
 This module is the single definition of the layout: `oscar_jax.quant` and
-every kernel import it, and kernels import nothing else of ours.
+every kernel import it, and kernels import nothing else of ours. It also holds
+the two scalar rules kernels share: `round_to_int` (the codes' and the int8
+query split's rounding) and `ring_position` (which position a ring slot holds).
 """
 
 from __future__ import annotations
@@ -86,6 +88,13 @@ def unpack_meta(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
     *lead, g, tpb, r = packed.shape
     x = jnp.moveaxis(packed, (-1, -2, -3), (-3, -2, -1))  # [..., R, tpb, g]
     return x.reshape(*lead, r * tpb, g)
+
+
+def round_to_int(x):
+    """f32 x with |x| < 2^22 -> int32, rounded half to even, as jnp.round (which Triton does
+    not lower): x + 1.5 * 2^23 has a unit ulp, and a bitcast reads the integer off it (the
+    compiler cannot fold it away, as XLA:CPU did an add-then-subtract)."""
+    return lax.bitcast_convert_type(x + 12582912.0, jnp.int32) - 0x4B400000
 
 
 def ring_position(n, j, sink: int, window: int):

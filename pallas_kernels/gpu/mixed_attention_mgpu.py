@@ -60,6 +60,8 @@ from jax.experimental.pallas import triton as plgpu_triton
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
+from oscar_jax.pallas_kernels import layout
+
 from .decode_finish import decode_finish
 
 _ROWS = 64  # packed rows per step: one m64 MMA tile per token slice
@@ -71,7 +73,6 @@ _W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
 _W_LO = 254.0
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _LOG2E = 1.4426950408889634
-_RINT, _RINT_BITS = 12582912.0, 0x4B400000  # 1.5 * 2^23 and its bits as an f32
 
 
 def _int8_tiles(minor: int) -> tuple:
@@ -136,12 +137,12 @@ def _store_weights(w_smem, tiles, *, cols: int, zero: bool = False, interpret: b
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         const = lambda v: arith.constant(i32, v)
         base = mgpu.utils.memref_ptr(ref)
-        layout = arrays[0].layout
+        frag_layout = arrays[0].layout
         tile_bytes = _N * _ROWS
         for reg_idx, (row, col) in zip(np.ndindex(arrays[0].registers.shape),
-                                       layout.thread_idxs(arrays[0].shape)):
+                                       frag_layout.thread_idxs(arrays[0].shape)):
             row, col = (arith.index_castui(i32, x) for x in (row, col))
-            for e in range(layout.vector_length):  # column col + e
+            for e in range(frag_layout.vector_length):  # column col + e
                 column = arith.addi(col, const(e))
                 offset = arith.addi(arith.muli(column, const(_ROWS)), row)
                 chunk = arith.andi(arith.shrui(offset, const(3)), const(0x30))
@@ -338,10 +339,8 @@ def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, ja
     q_lo): |error| <= q_step / 2 (+ a clipped q_lo), about 16 bits relative to the peak."""
     unit = jnp.where(peak > 0, peak / _W_MAX, 1.0)  # q / unit in [-127, 127]
     x = q / unit[..., None]
-    # Half to even for |v| < 2^22 (Triton lowers no round): v + 1.5 * 2^23 has a unit ulp.
-    rint = lambda v: lax.bitcast_convert_type(v + _RINT, jnp.int32) - _RINT_BITS
-    hi = rint(x)
-    lo = jnp.clip(rint((x - hi.astype(jnp.float32)) * _Q_LO), -127, 127)
+    hi = layout.round_to_int(x)
+    lo = jnp.clip(layout.round_to_int((x - hi.astype(jnp.float32)) * _Q_LO), -127, 127)
     return hi.astype(jnp.int8), lo.astype(jnp.int8), unit / _Q_LO
 
 
@@ -380,11 +379,12 @@ def _prep_kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, in
         for k, part in enumerate((q_hi, q_lo)):
             for j in range(packed):  # column block j: zeros outside it
                 plgpu_triton.store(qb_ref.at[b, h, k * packed + j, tile_rows, ch[None, :]],
-                            jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
+                                   jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
     q_sum = sum(jnp.sum(x, axis=1) for x in xs)
     rows = jnp.arange(_ROWS)[:, None]
     for k, vec in enumerate((q_step, q_sum)):  # the same in every row of the [64, 8] tile
-        plgpu_triton.store(qcol_ref.at[b, h, k, rows, tile_rows.T], jnp.broadcast_to(vec[None, :], (_ROWS, 2 * _N)))
+        plgpu_triton.store(qcol_ref.at[b, h, k, rows, tile_rows.T],
+                           jnp.broadcast_to(vec[None, :], (_ROWS, 2 * _N)))
 
 
 def prepare_queries(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int,

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from oscar_jax.pallas_kernels import layout
+
 _MAX_CHUNK = 128
-_ROUND = 12582912.0  # 1.5 * 2**23: u + _ROUND rounds u (0 <= u < 2**22) half to even, in f32
-_ROUND_BITS = 0x4B400000  # the bits of _ROUND as an f32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
                 u = jnp.where(pos, (c - lo32) / jnp.where(pos, scale32, 1.0), 0.0)
                 if span is None:  # round half to even, as jnp.round
                     u = jnp.clip(u, 0.0, top)
-                    code = jax.lax.bitcast_convert_type(u + _ROUND, jnp.int32) - _ROUND_BITS
+                    code = layout.round_to_int(u)
                 else:
                     code = jnp.zeros(u.shape, jnp.int32)
                     for k in range(1, len(levels)):
