@@ -391,12 +391,13 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     want_cols = jnp.where(jnp.asarray(owner < g)[:, None], want[:, :, np.minimum(owner, g - 1)] * scale, 0.0)
     np.testing.assert_allclose(np.asarray(q_nat), np.asarray(want_cols), rtol=1e-5, atol=1e-5)
     want2 = want_cols * np.log2(np.e)
-    hi = sum(blocks[:, :, j].astype(jnp.float32) for j in range(packed))  # one block per column
-    lo = sum(blocks[:, :, packed + j].astype(jnp.float32) for j in range(packed))
+    assert blocks.shape == (b, hkv, packed, 16, d)  # block j: [q_hi; q_lo] of column block j
+    hi = sum(blocks[:, :, j, :8].astype(jnp.float32) for j in range(packed))  # one block per column
+    lo = sum(blocks[:, :, j, 8:].astype(jnp.float32) for j in range(packed))
     for j in range(packed):  # outside its column block a block is 0
         outside = np.arange(8) // cols != j
-        assert not np.any(np.asarray(blocks[:, :, j])[:, :, outside])
-        assert not np.any(np.asarray(blocks[:, :, packed + j])[:, :, outside])
+        assert not np.any(np.asarray(blocks[:, :, j, :8])[:, :, outside])
+        assert not np.any(np.asarray(blocks[:, :, j, 8:])[:, :, outside])
     step, q_sum = qcol[:, :, 0, 0], qcol[:, :, 1, 0]
     assert bool(jnp.all(qcol[:, :, :, 1:] == qcol[:, :, :, :1]))  # the same in every row
     approx = step[..., None] * (256.0 * hi + lo)

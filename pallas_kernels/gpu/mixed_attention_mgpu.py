@@ -2,10 +2,10 @@
 
 Both products run on the tensor cores' int8 path (wgmma s8·s8 -> s32), straight from the
 2-bit codes (0..3 are exact int8), with tokens as the MMA's M dimension on the K side:
-  scores^T [64, 8] = code_s [64, D] @ (256 q_hi + q_lo)^T            (two s8 MMAs)
+  scores^T [64, 8] = code_s [64, D] @ (256 q_hi + q_lo)^T    (one N = 16 s8 MMA: [q_hi | q_lo])
   scores = scale_s * (q_step * raw) + lo_s * Σq                        (per token, per query)
   online softmax over tokens, in base 2 (log2 e is folded into q)
-  out^T [D, 8] += vcode_s^T [D, 64] @ (254 w_hi + w_lo)_s [64, 8]     (two s8 MMAs)
+  out^T [D, 8] += vcode_s^T [D, 64] @ (254 w_hi + w_lo)_s [64, 8]  (one N = 16 s8 MMA: [w_hi | w_lo])
 where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (~16 bits of q, finer than bf16)
 and w = p ∘ vscale_s ≈ (w_max / 127) * (w_hi + w_lo / 254) per step and query column, with
 w_max the step's largest vscale (p <= 1 after the running max): it needs only the metadata,
@@ -109,8 +109,9 @@ def _slice_codes(packed: jax.Array, s: int, *, interpret: bool) -> jax.Array:
 
 def _store_weights(w_smem, tiles, *, cols: int, zero: bool = False, interpret: bool) -> None:
     """Store int32 [64, 8] weight tiles (WGMMA layout, values in [-127, 127]) as int8,
-    transposed, into the K-major B operands of the V products, w_smem [4, 2, 8, 64] int8
-    (slice, hi/lo, column, token; tiled (8, 64), 64-byte swizzle): tiles[2 t + k] holds, in
+    transposed, into the K-major B operands of the V products, w_smem [4, 16, 64] int8
+    (slice, 8 k + column with k = 0 for w_hi and 1 for w_lo, token; tiled (8, 64), 64-byte
+    swizzle: each [8, 64] tile is 512 contiguous bytes): tiles[2 t + k] holds, in
     column block j (columns j * cols ... + cols - 1), slice t * P + j, which it fills there.
     Every other column of a slice's operand stays 0: `zero` writes that once, before the
     loop (tiles ignored), and no later store touches those bytes.
@@ -128,7 +129,7 @@ def _store_weights(w_smem, tiles, *, cols: int, zero: bool = False, interpret: b
             for k in range(2):
                 x = jnp.zeros((_ROWS, _N), jnp.int32) if zero else \
                     jnp.where(col_block == s % packed, tiles[2 * (s // packed) + k], 0)
-                w_smem.at[s, k].T[...] = x.astype(jnp.int8)
+                w_smem.at[s, pl.ds(_N * k, _N)].T[...] = x.astype(jnp.int8)
         return
 
     @plgpu.inline_mgpu(arg_types=((plgpu.Layout.WGMMA,) * len(tiles), plgpu.RefType(_int8_tiles(_ROWS))))
@@ -250,23 +251,21 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             return packed_v, meta, w_bound
 
         def qk(*acc_refs):
-            """Per tile: its slices' codes times q_hi and times q_lo placed in the slice's column
-            block (int8 MMAs into one accumulator pair per tile), waited on once; the V codes and
-            the metadata are loaded while the MMAs run."""
+            """Per tile: its slices' codes times [q_hi | q_lo] placed in the slice's column block
+            (one N = 16 int8 MMA per slice into one [64, 16] accumulator per tile), waited on
+            once; the V codes and the metadata are loaded while the MMAs run."""
             for t in range(n_tiles):
                 for j in range(packed):
-                    a_k = a_operand(packed_k, t * packed + j, stage_k)
-                    plgpu.wgmma(acc_refs[2 * t], a_k, q_smem.at[j].T)
-                    plgpu.wgmma(acc_refs[2 * t + 1], a_k, q_smem.at[packed + j].T)
+                    plgpu.wgmma(acc_refs[t], a_operand(packed_k, t * packed + j, stage_k), q_smem.at[j].T)
             return [acc_ref[...] for acc_ref in acc_refs], load_rest()
 
         with jax.named_scope("qk"):
-            raws, (packed_v, meta, w_bound) = pl.run_scoped(qk, *[plgpu.ACC(tile, jnp.int32)] * (2 * n_tiles))
+            accs, (packed_v, meta, w_bound) = pl.run_scoped(qk, *[plgpu.ACC((_ROWS, 2 * _N), jnp.int32)] * n_tiles)
         with jax.named_scope("softmax"):
             scores = []
             for t in range(n_tiles):
                 lo_k, scale_k = meta[t][0], meta[t][1]
-                raw = (raws[2 * t] * int(_Q_LO) + raws[2 * t + 1]).astype(jnp.float32)
+                raw = (accs[t][:, :_N] * int(_Q_LO) + accs[t][:, _N:]).astype(jnp.float32)
                 sc = scale_k * (q_step * raw) + lo_k * q_sum
                 if last:
                     fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
@@ -300,17 +299,16 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
                 lo_part = lo_part + p * meta[t][2] + _CODE_MID * w_errors[t]
             return l_part, lo_part
 
-        def pv(acc_hi, acc_lo):
+        def pv(acc_ref):
+            """out^T [D, 16] = V codes^T times [w_hi | w_lo], one N = 16 MMA per slice."""
             for s in range(_TPB):
-                a_v = a_operand(packed_v, s, stage_v)
-                plgpu.wgmma(acc_hi, a_v, w_smem.at[s, 0].T)
-                plgpu.wgmma(acc_lo, a_v, w_smem.at[s, 1].T)
+                plgpu.wgmma(acc_ref, a_operand(packed_v, s, stage_v), w_smem.at[s].T)
             sums = partial_sums(l_part, lo_part)  # while the MMAs run
-            return acc_hi[...], acc_lo[...], sums
+            return acc_ref[...], sums
 
         with jax.named_scope("pv"):
-            pv_hi, pv_lo, sums = pl.run_scoped(pv, *[plgpu.ACC((head_dim, _N), jnp.int32)] * 2)
-        pv_raw = (pv_hi * int(_W_LO) + pv_lo).astype(jnp.float32)
+            pv_acc, sums = pl.run_scoped(pv, plgpu.ACC((head_dim, 2 * _N), jnp.int32))
+        pv_raw = (pv_acc[:, :_N] * int(_W_LO) + pv_acc[:, _N:]).astype(jnp.float32)
         acc = acc * by_col(alpha, (head_dim, _N)) + pv_raw * by_col(w_step, (head_dim, _N))
         return (acc, m_new, *sums)
 
@@ -378,7 +376,7 @@ def _prep_kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, in
         q_hi, q_lo, q_step = split_query(x, peak)
         for k, part in enumerate((q_hi, q_lo)):
             for j in range(packed):  # column block j: zeros outside it
-                plgpu_triton.store(qb_ref.at[b, h, k * packed + j, tile_rows, ch[None, :]],
+                plgpu_triton.store(qb_ref.at[b, h, j, k * _N + tile_rows, ch[None, :]],
                                    jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
     q_sum = sum(jnp.sum(x, axis=1) for x in xs)
     rows = jnp.arange(_ROWS)[:, None]
@@ -391,7 +389,7 @@ def prepare_queries(q, query_rot, *, kv_heads: int, softmax_scale: float, packed
                     interpret: bool = False):
     """q [B, Hq, D] (model basis, or rotated when query_rot is None); query_rot f32
     [Hkv, D, D] or None. Returns, per (batch row, KV head), in one Triton kernel:
-    q_blocks int8 [B, Hkv, 2P, 8, D] (q_hi in blocks 0..P-1, q_lo in P..2P-1; block j holds
+    q_blocks int8 [B, Hkv, P, 16, D] (block j: q_hi in rows 0..7, q_lo in rows 8..15; it holds
     column block j of the N = 8 query columns, zeros elsewhere), qcol f32 [B, Hkv, 2, 64, 8]
     (q_step and Σq of each column, repeated over the 64 rows of a score tile), both in base 2
     (log2 e folded in), and q_cols f32 [B, Hkv, 8, D], the columns' scaled rotated queries
@@ -402,7 +400,7 @@ def prepare_queries(q, query_rot, *, kv_heads: int, softmax_scale: float, packed
     rotate = query_rot is not None
     inputs = (q, query_rot.astype(jnp.float32)) if rotate else (q,)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, 2 * packed, _N, d), jnp.int8),
+    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, packed, 2 * _N, d), jnp.int8),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, _ROWS, _N), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, _N, d), jnp.float32)]
     return pl.pallas_call(
@@ -501,12 +499,12 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     num_splits = -(-hist_rows // split_rows)
 
     scratch = dict(
-        q_smem=plgpu.SMEM((2 * packed, _N, d), jnp.int8, transforms=_int8_tiles(d)),  # [hi, lo] x blocks
+        q_smem=plgpu.SMEM((packed, 2 * _N, d), jnp.int8, transforms=_int8_tiles(d)),  # blocks x [hi; lo]
         qcol_smem=plgpu.SMEM((2, _ROWS, _N), jnp.float32),
         ck_smem=plgpu.SMEM((buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
         cv_smem=plgpu.SMEM((buffers, d, _ROWS), jnp.uint8, transforms=_int8_tiles(_ROWS)),
         meta_smem=plgpu.SMEM((buffers, 4, _TPB, _ROWS), jnp.bfloat16),
-        w_smem=plgpu.SMEM((_TPB, 2, _N, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS)),
+        w_smem=plgpu.SMEM((_TPB, 2 * _N, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS)),
         o_smem=plgpu.SMEM((d, _N), jnp.float32),
         lse_smem=plgpu.SMEM((_N,), jnp.float32),
         q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
