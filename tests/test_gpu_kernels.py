@@ -447,11 +447,12 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
 
 
-@pytest.mark.parametrize("rotate", [True, False])
-def test_mgpu_lowers_for_cuda(rotate):
-    """B8 H32/8 at 32K: Mosaic GPU's layout inference, wgmma and TMA checks for sm_90, and the
-    Triton lowering of prepare_queries (with and without the rotation) and decode_finish."""
-    b, hkv, g, d, rows, sink, window = 8, 8, 4, 128, 8192, 64, 256
+@pytest.mark.parametrize("d,g,rotate", [(128, 4, True), (128, 4, False), (128, 1, True), (256, 8, True)])
+def test_mgpu_lowers_for_cuda(d, g, rotate):
+    """B8 Hkv 8 at 32K, each slices_per_tile (2, 4, and 1 at D = 256): Mosaic GPU's layout
+    inference, wgmma and TMA checks for sm_90, and the Triton lowering of prepare_queries
+    (with and without the rotation) and decode_finish."""
+    b, hkv, rows, sink, window = 8, 8, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
     args = (sds((b, 1, hkv * g, d), jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),

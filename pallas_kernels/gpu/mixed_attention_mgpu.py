@@ -20,7 +20,11 @@ WGMMA 8-bit layout as it stands. On the K side a word holds 4 channels x 4 token
 cache's key layout), so a slice gives 4 channels of one token; on the V side the cache
 stores codes channel-major ([D, T_hist/4]: a word holds 16 tokens of one channel), so a
 slice gives 4 tokens of one channel, the K-major A operand of V^T·w (int8 wgmma takes
-both operands K-major only, which is why the V codes are stored transposed).
+both operands K-major only, which is why the V codes are stored transposed). The K side
+takes its slices scaled instead, `word & (0x03030303 << 2s)` for s < 3 (codes times 1, 4,
+16: no shift) and `(word >> 2) & 0x30303030` for s = 3 (times 16); each score tile's q_step
+divides the factor out per column block. The V slices share one accumulator, so they stay
+unscaled. Each thread loads only the metadata rows of its own column block.
 
 With g <= 4 (at D <= 128) several token slices share one [64, 8] score tile, each in its
 own block of columns (`slices_per_tile`): q sits block-diagonally in the B operand, and
@@ -41,7 +45,8 @@ tiles; `CacheSpec` allocates a longer history in 256-token tiles).
 `decode_finish` (one Triton kernel) then attends the bf16 sink and recent ring and merges
 every partial.
 In interpret mode (CPU) the A operands are staged in shared memory (the GPU interpreter
-takes no register operands), and the unpacking and the transposed store use array ops.
+takes no register operands), and the unpacking, the metadata broadcast and the transposed
+store use array ops; `pytest -m gpu` runs the compiled forms.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as plgpu_triton
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from oscar_jax.pallas_kernels import layout
 
@@ -73,6 +78,7 @@ _W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
 _W_LO = 254.0
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _LOG2E = 1.4426950408889634
+_SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fewer shifts)
 
 
 def _int8_tiles(minor: int) -> tuple:
@@ -81,11 +87,22 @@ def _int8_tiles(minor: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)
 
 
-def _slice_codes(packed: jax.Array, s: int, *, interpret: bool) -> jax.Array:
+def _code_shift(s: int, scaled: bool) -> tuple[int, int]:
+    """(right shift, mask) of token slice s in a packed byte. scaled: the codes times
+    `_SLICE_SCALE[s]` (mask only for slices 0-2, one shift of 2 for slice 3; the largest
+    value, 48, stays a valid int8); else the codes themselves, `(byte >> 2s) & 3`."""
+    if not scaled:
+        return 2 * s, 3
+    return (2, 0x30) if s == 3 else (0, 3 << (2 * s))
+
+
+def _slice_codes(packed: jax.Array, s: int, *, scaled: bool = False, interpret: bool) -> jax.Array:
     """uint8 [R, C] packed tile (WGMMA 8-bit layout) -> int8 [R, C]: the 2-bit codes of token
-    slice s, `(byte >> 2s) & 3`, computed on whole 32-bit registers (one shift, one and)."""
+    slice s (times `_SLICE_SCALE[s]` when scaled), computed on whole 32-bit registers (an
+    and, and a shift for slices 1-3, or only slice 3 when scaled)."""
+    shift, mask = _code_shift(s, scaled)
     if interpret:
-        return ((packed >> (2 * s)) & jnp.uint8(3)).astype(jnp.int8)
+        return ((packed >> shift) & jnp.uint8(mask)).astype(jnp.int8)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
                        return_type=plgpu.ShapeDtypeStruct(packed.shape, jnp.int8,
@@ -98,9 +115,9 @@ def _slice_codes(packed: jax.Array, s: int, *, interpret: bool) -> jax.Array:
         out = np.empty_like(words.registers)
         for idx, reg in np.ndenumerate(words.registers):
             w = llvm.extractelement(vector.bitcast(one_i32, reg), const(0))
-            if s:
-                w = arith.shrui(w, const(2 * s))
-            w = arith.andi(w, const(0x03030303))
+            if shift:
+                w = arith.shrui(w, const(shift))
+            w = arith.andi(w, const(mask * 0x01010101))
             out[idx] = vector.bitcast(reg.type, vector.broadcast(one_i32, w))
         return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
 
@@ -165,6 +182,34 @@ def _store_weights(w_smem, tiles, *, cols: int, zero: bool = False, interpret: b
     store(tuple(tiles), w_smem)
 
 
+def _load_metadata(meta, t: int, packed: int) -> list:
+    """One step's metadata, meta bf16 [4, 4, 64] (lo_k, scale_k, lo_v, scale_v; slice; packed
+    row), for score tile t -> 4 f32 [64, 8] (WGMMA layout): element (row, column) is the
+    value of that row for slice t * packed + column // (8 / packed), the slice whose scores
+    the column holds. Each thread loads only its own column block's rows (its two columns
+    lie in one block): 2 loads per array, no selects."""
+    cols = _N // packed
+    layout, shape = fa.WGMMA_LAYOUT, (_ROWS, _N)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=[plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=plgpu.Layout.WGMMA)] * 4)
+    def load(ctx, ref):
+        del ctx
+        f32, index = ir.F32Type.get(), ir.IndexType.get()
+        const = lambda v: arith.constant(index, v)
+        vec = ir.VectorType.get((layout.vector_length,), f32)
+        regs = layout.registers_shape(shape)
+        out = [np.empty(regs, dtype=object) for _ in range(4)]
+        for idx, (row, col) in zip(np.ndindex(regs), layout.thread_idxs(shape)):
+            slice_idx = arith.addi(arith.divui(col, const(cols)), const(t * packed))
+            for k in range(4):
+                value = arith.extf(f32, memref.load(ref, [const(k), slice_idx, row]))
+                out[k][idx] = vector.broadcast(vec, value)
+        return [mgpu.FragmentedArray(_registers=x, _layout=layout, _is_signed=None) for x in out]
+
+    return load(meta)
+
+
 def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             o_ref, lse_ref, *, q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem,
             lse_smem, q_bar, tile_bars, stage_k=None, stage_v=None,
@@ -184,12 +229,18 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     tile = (_ROWS, _N)
     wgmma_layout = plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)  # one value per token
-    q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
-    q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
     by_col = lambda v, shape=tile: lax.broadcast_in_dim(v, shape, [1])
     by_row = lambda v: lax.broadcast_in_dim(v, tile, [0])
     row_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=wgmma_layout)
     col_block = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=wgmma_layout) // (_N // packed)
+    q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
+    q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
+    q_steps = []  # the raw scores of slice s come times _SLICE_SCALE[s] (`_slice_codes`, scaled)
+    for t in range(n_tiles):
+        factor = 1.0 / _SLICE_SCALE[t * packed]
+        for j in range(1, packed):
+            factor = jnp.where(col_block == j, 1.0 / _SLICE_SCALE[t * packed + j], factor)
+        q_steps.append(q_step * factor)
     codes_layout = None if interpret else plgpu.Layout.WGMMA_8BIT
 
     def by_block(vectors):
@@ -218,10 +269,10 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
         pl.when(j < steps)(functools.partial(issue, j, j))
 
-    def a_operand(codes, s, stage):
+    def a_operand(codes, s, stage, scaled=False):
         """Slice s of a packed code tile as an MMA A operand: registers when compiled; staged
         in shared memory when interpreted (the GPU interpreter takes no register operands)."""
-        x = _slice_codes(codes, s, interpret=interpret)
+        x = _slice_codes(codes, s, scaled=scaled, interpret=interpret)
         if not interpret:
             return x
         stage.at[s][...] = x
@@ -245,8 +296,11 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             """V codes, metadata [64, 8] per tile (lo_k, scale_k, lo_v, scale_v; column block
             j: slice t * packed + j) and the bound of w = p * scale_v (p <= 1), per column."""
             packed_v = plgpu.load(cv_smem.at[slot], layout=codes_layout)  # [D, 64]
-            meta = [[by_block([plgpu.load(meta_smem.at[slot, k, t * packed + j], layout=row).astype(jnp.float32)
-                               for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
+            if interpret:
+                meta = [[by_block([plgpu.load(meta_smem.at[slot, k, t * packed + j], layout=row).astype(jnp.float32)
+                                   for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
+            else:
+                meta = [_load_metadata(meta_smem.at[slot], t, packed) for t in range(n_tiles)]
             w_bound = functools.reduce(jnp.maximum, [mt[3] for mt in meta]).max(axis=0)
             return packed_v, meta, w_bound
 
@@ -256,7 +310,8 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             once; the V codes and the metadata are loaded while the MMAs run."""
             for t in range(n_tiles):
                 for j in range(packed):
-                    plgpu.wgmma(acc_refs[t], a_operand(packed_k, t * packed + j, stage_k), q_smem.at[j].T)
+                    plgpu.wgmma(acc_refs[t], a_operand(packed_k, t * packed + j, stage_k, scaled=True),
+                                q_smem.at[j].T)
             return [acc_ref[...] for acc_ref in acc_refs], load_rest()
 
         with jax.named_scope("qk"):
@@ -266,7 +321,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             for t in range(n_tiles):
                 lo_k, scale_k = meta[t][0], meta[t][1]
                 raw = (accs[t][:, :_N] * int(_Q_LO) + accs[t][:, _N:]).astype(jnp.float32)
-                sc = scale_k * (q_step * raw) + lo_k * q_sum
+                sc = scale_k * (q_steps[t] * raw) + lo_k * q_sum
                 if last:
                     fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
                     token = _TPB * (r0 + row_ids) + t * packed + col_block
