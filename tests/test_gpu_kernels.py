@@ -305,9 +305,11 @@ MGPU_CASES = [  # (D, g, history tokens, target programs: 8 -> one split of many
     (64, 3, 1024, 8), (256, 4, 1024, 16), (256, 1, 480, 8)]
 
 
-@pytest.mark.parametrize("pattern", [2, 3])  # boundaries S0 + W ... full (the history's), and length 1
-@pytest.mark.parametrize("case", MGPU_CASES, ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c))
+@pytest.mark.parametrize("case,pattern", [(case, 2 + i % 2) for i, case in enumerate(MGPU_CASES)],
+                         ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c) if isinstance(c, tuple) else f"pattern{c}")
 def test_mgpu_attention_matches_reference(case, pattern):
+    """Patterns 2 and 3 alternate over the cases: boundaries S0 + W ... full (the history's),
+    and length 1."""
     d, g, hist, target = case
     spec = _spec(d, d, "uniform", "bfloat16", hist=hist)
     rng = np.random.default_rng([d, g, hist, target, pattern])
