@@ -305,11 +305,16 @@ MGPU_CASES = [  # (D, g, history tokens, target programs: 8 -> one split of many
     (64, 3, 1024, 8), (256, 4, 1024, 16), (256, 1, 480, 8)]
 
 
-@pytest.mark.parametrize("case,pattern", [(case, 2 + i % 2) for i, case in enumerate(MGPU_CASES)],
+# Boundary patterns 2 (lengths just past S0 + W: histories of 0, 1, 3 tokens) and 3 (full,
+# full - 1, and length 1): both at every D and every slices_per_tile, one elsewhere.
+MGPU_RUNS = [(MGPU_CASES[0], 2), (MGPU_CASES[0], 3), (MGPU_CASES[1], 2), (MGPU_CASES[1], 3),
+             (MGPU_CASES[2], 2), (MGPU_CASES[3], 3), (MGPU_CASES[4], 2), (MGPU_CASES[5], 2),
+             (MGPU_CASES[5], 3), (MGPU_CASES[6], 2), (MGPU_CASES[7], 3)]
+
+
+@pytest.mark.parametrize("case,pattern", MGPU_RUNS,
                          ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c) if isinstance(c, tuple) else f"pattern{c}")
 def test_mgpu_attention_matches_reference(case, pattern):
-    """Patterns 2 and 3 alternate over the cases: boundaries S0 + W ... full (the history's),
-    and length 1."""
     d, g, hist, target = case
     spec = _spec(d, d, "uniform", "bfloat16", hist=hist)
     rng = np.random.default_rng([d, g, hist, target, pattern])
@@ -319,12 +324,12 @@ def test_mgpu_attention_matches_reference(case, pattern):
                      rotates_queries=True)
 
 
-def test_mgpu_deeper_tma_pipeline_matches_reference():
-    """buffers=3: steps i + 1 and i + 2 in flight while step i is computed (4 steps: the
-    buffers wrap); queries rotated in XLA (prepare_queries' query_rot=None path)."""
+def test_mgpu_two_tma_buffers_match_reference():
+    """buffers=2 (the default is 3): step i + 1 in flight while step i is computed (4 steps:
+    the buffers wrap twice); queries rotated in XLA (prepare_queries' query_rot=None path)."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1024)
     rng = np.random.default_rng(3)
-    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=8, buffers=3)
+    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=8, buffers=2)
     _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True,
                      rotates_queries=False)
 
@@ -449,9 +454,11 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
 
 
-@pytest.mark.parametrize("d,g,rotate", [(128, 4, True), (128, 4, False), (128, 1, True), (256, 8, True)])
+@pytest.mark.parametrize("d,g,rotate", [(128, 4, True), (128, 4, False), (128, 1, True), (256, 8, True),
+                                        (64, 3, False)])
 def test_mgpu_lowers_for_cuda(d, g, rotate):
-    """B8 Hkv 8 at 32K, each slices_per_tile (2, 4, and 1 at D = 256): Mosaic GPU's layout
+    """B8 Hkv 8 at 32K, each slices_per_tile (2, 4, and 1 at D = 256) and D = 64's 64-byte
+    swizzle: Mosaic GPU's layout
     inference, wgmma and TMA checks for sm_90, and the Triton lowering of prepare_queries
     (with and without the rotation) and decode_finish."""
     b, hkv, rows, sink, window = 8, 8, 8192, 64, 256

@@ -4,6 +4,7 @@ Both products run on the tensor cores' int8 path (wgmma s8·s8 -> s32), straight
 2-bit codes (0..3 are exact int8), with tokens as the MMA's M dimension on the K side:
   scores^T [64, 8] = code_s [64, D] @ (256 q_hi + q_lo)^T    (one N = 16 s8 MMA: [q_hi | q_lo])
   scores = scale_s * (q_step * raw) + lo_s * Σq                        (per token, per query)
+    (raw comes times _SLICE_SCALE[s], see below, and q_step is divided by it)
   online softmax over tokens, in base 2 (log2 e is folded into q)
   out^T [D, 8] += vcode_s^T [D, 64] @ (254 w_hi + w_lo)_s [64, 8]  (one N = 16 s8 MMA: [w_hi | w_lo])
 where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (~16 bits of q, finer than bf16)
@@ -189,7 +190,7 @@ def _load_metadata(meta, t: int, packed: int) -> list:
     the column holds. Each thread loads only its own column block's rows (its two columns
     lie in one block): 2 loads per array, no selects."""
     cols = _N // packed
-    layout, shape = fa.WGMMA_LAYOUT, (_ROWS, _N)
+    frag_layout, shape = fa.WGMMA_LAYOUT, (_ROWS, _N)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
                        return_type=[plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=plgpu.Layout.WGMMA)] * 4)
@@ -197,15 +198,15 @@ def _load_metadata(meta, t: int, packed: int) -> list:
         del ctx
         f32, index = ir.F32Type.get(), ir.IndexType.get()
         const = lambda v: arith.constant(index, v)
-        vec = ir.VectorType.get((layout.vector_length,), f32)
-        regs = layout.registers_shape(shape)
+        vec = ir.VectorType.get((frag_layout.vector_length,), f32)
+        regs = frag_layout.registers_shape(shape)
         out = [np.empty(regs, dtype=object) for _ in range(4)]
-        for idx, (row, col) in zip(np.ndindex(regs), layout.thread_idxs(shape)):
+        for idx, (row, col) in zip(np.ndindex(regs), frag_layout.thread_idxs(shape)):
             slice_idx = arith.addi(arith.divui(col, const(cols)), const(t * packed))
             for k in range(4):
                 value = arith.extf(f32, memref.load(ref, [const(k), slice_idx, row]))
                 out[k][idx] = vector.broadcast(vec, value)
-        return [mgpu.FragmentedArray(_registers=x, _layout=layout, _is_signed=None) for x in out]
+        return [mgpu.FragmentedArray(_registers=x, _layout=frag_layout, _is_signed=None) for x in out]
 
     return load(meta)
 
@@ -336,7 +337,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             w_inv = jnp.where(w_bound > 0, _W_MAX / jnp.where(w_bound > 0, w_bound, 1.0), 0.0)
             w_step = w_bound * (1.0 / (_W_MAX * _W_LO))  # one unit of 254 w_hi + w_lo
             w_tiles, w_errors = [], []
-            for t, w in enumerate(weights):  # B operands of the V products, K-major [2, 8, 64] int8
+            for t, w in enumerate(weights):  # B operands of the V products, K-major [16, 64] int8
                 x = w * by_col(w_inv)
                 w_hi = jnp.round(x)
                 w_lo = jnp.round((x - w_hi) * _W_LO)
