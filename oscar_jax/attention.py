@@ -169,11 +169,11 @@ register("pallas", kernel_attend(_gpu_attention.mixed_attention),
 
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
 
-# GPU time on the H200 (bench/results/kernels_h200.json, session 6): it beats the Triton
-# kernel at D = 128 (B8 H32/8: 0.30 vs 0.78 ms at 128K, 0.10 vs 0.25 ms at 32K) and loses at
-# D = 256 (Gemma-3 B8 32K: 0.130 vs 0.089 ms). At D = 64 (SmolLM2 B8 8K) it lost in session 5
-# (0.035 vs 0.031 ms) and won in session 6 (0.027 vs 0.030): Triton stays preferred there
-# until a second run agrees.
+# GPU time on the H200 (bench/results/kernels_h200.json, session 7): it beats the Triton
+# kernel at D = 128 (B8 H32/8: 0.249 vs 0.782 ms at 128K, 0.086 vs 0.253 ms at 32K) and loses
+# at D = 256 (Gemma-3 B8 32K: 0.119 vs 0.089 ms). At D = 64 (SmolLM2 B8 8K) it lost in
+# session 5 (0.035 vs 0.031 ms) and won in sessions 6 and 7 (0.027 vs 0.030): Triton stays
+# preferred there until `oscar generate` is rerun with this kernel.
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates_queries=True),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
                                                 and _mgpu_attention.device_supported()),

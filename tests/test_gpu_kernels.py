@@ -339,12 +339,13 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits):
     """decode_finish against an XLA oracle: the bf16 sink + ring attention (ring positions
     from `cache.ring_positions`) and a log-sum-exp over every partial column c % cols == i,
     with empty (-inf) partials and rows whose history or ring is empty. The ring of 192
-    takes several sink/ring steps at every D."""
+    takes several sink/ring steps at every D. q has 8 rows, as the Mosaic GPU kernel passes
+    it: rows past g are ignored."""
     rng = np.random.default_rng([d, g, splits])
     b, hkv, sink, window = 4, 2, 8, 192
     lengths = np.array([3, sink + 10, sink + window + 50, 1000], np.int32)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    q = f32(b, hkv, g, d) * 0.2
+    q = f32(b, hkv, 8, d) * 0.2
     o_t = f32(b, hkv, splits, d, 8)
     lse2 = np.asarray(rng.standard_normal((b, hkv, splits, 8)) * 3, np.float32)
     lse2[0] = -np.inf  # row 0: no history at all
@@ -352,7 +353,9 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits):
     bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     sink_k, sink_v, recent_k, recent_v = bf(b, hkv, sink, d), bf(b, hkv, sink, d), bf(b, hkv, window, d), bf(b, hkv, window, d)
     o, lse = decode_finish.decode_finish(q, o_t, jnp.asarray(lse2), sink_k, sink_v, recent_k, recent_v,
-                                         jnp.asarray(lengths), cols=cols, sink=sink, window=window, interpret=True)
+                                         jnp.asarray(lengths), cols=cols, sink=sink, window=window, g=g,
+                                         interpret=True)
+    assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g)
 
     n = jnp.asarray(lengths)
     visible = jnp.concatenate([jnp.arange(sink)[None, :] < n[:, None],

@@ -138,18 +138,17 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
 
 
 def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, cols: int,
-                  sink: int, window: int, g: int | None = None, interpret: bool = False):
+                  sink: int, window: int, g: int, interpret: bool = False):
     """Attend the bf16 segments and merge them with the history partials.
 
     q: f32 [B, Hkv, R, D] (softmax scale folded in, natural base), of which rows 0..g-1 are
-    the g queries (g: R when None); o_t: f32 [B, Hkv, S, D, 8]
+    the g queries (rows past g are ignored); o_t: f32 [B, Hkv, S, D, 8]
     normalised history partials, column c for query c % cols; lse2: f32 [B, Hkv, S, 8] their
     log-sum-exp in base 2 (-inf: nothing seen); sink_k/v bf16 [B, Hkv, S0, D]; recent_k/v
     bf16 [B, Hkv, W, D]; lengths int32 [B]. Returns (o f32 [B, Hkv, g, D], lse f32 [B, Hkv, g],
     natural base).
     """
     b, hkv, rows, d = q.shape
-    g = rows if g is None else g
     splits = o_t.shape[2]
     if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= min(cols, rows) <= 8:
         raise ValueError(f"o_t.shape={o_t.shape}, lse2.shape={lse2.shape}, g={g}, cols={cols}: expected "
