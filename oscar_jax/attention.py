@@ -81,7 +81,7 @@ def resolve(implementation: str, spec: CacheSpec, queries: int, group: int,
 
 
 def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
-                  rotates_queries: bool = False) -> AttendFn:
+                  rotates: bool = False) -> AttendFn:
     """Adapt a plain-array kernel to `attend`'s signature.
 
     The kernel sees rotated queries and returns outputs in the R_V basis:
@@ -94,8 +94,9 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
         -> (o_rot f32 [B, C, Hq, D], lse f32 [B, C, Hq])
     `interpret` is True when running on CPU (tests); q rotation (by
     `params.query_rot`) and the back-rotation (by `params.output_rot`) happen
-    here, in XLA. rotates_queries: the kernel takes the model-basis q as it is
-    and the rotation as `query_rot=` f32 [Hkv, D, D], and rotates it itself.
+    here, in XLA. rotates: the kernel does both itself. It takes the model-basis q as it is,
+    the rotations as `query_rot=` and `output_rot=` f32 [Hkv, D, D] (output_rot None when
+    params.v_folded), and returns o in the model basis (the R_V basis when v_folded).
     """
 
     def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None):
@@ -104,22 +105,23 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
         b, c, hq, d = q.shape
         heads = (b, c, spec.kv_heads, hq // spec.kv_heads, d)  # query head h * g + i of KV head h
         scale = spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale
-        if rotates_queries:
-            q_in, extra = q, {"query_rot": params.query_rot}
+        if rotates:
+            q_in, extra = q, {"query_rot": params.query_rot,
+                              "output_rot": None if params.v_folded else params.output_rot}
         else:
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
                                      precision=hi).reshape(q.shape), {}
-        o_rot, lse = kernel(
+        o, lse = kernel(
             q_in, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
             cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
             cache.recent_k, cache.recent_v, cache.lengths,
             sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,
             softmax_scale=scale, interpret=jax.default_backend() == "cpu", **extra,
         )
-        if not params.v_folded:
-            o_rot = jnp.einsum("bckge,kde->bckgd", o_rot.reshape(heads), params.output_rot,
-                               precision=hi).reshape(q.shape)
-        return o_rot.astype(q.dtype), reference.shift_lse(lse, q, params, scale)
+        if not rotates and not params.v_folded:
+            o = jnp.einsum("bckge,kde->bckgd", o.reshape(heads), params.output_rot,
+                           precision=hi).reshape(q.shape)
+        return o.astype(q.dtype), reference.shift_lse(lse, q, params, scale)
 
     return fn
 
@@ -174,7 +176,7 @@ from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention
 # at D = 256 (Gemma-3 B8 32K: 0.119 vs 0.089 ms). At D = 64 (SmolLM2 B8 8K) it lost in
 # session 5 (0.035 vs 0.031 ms) and won in sessions 6 and 7 (0.027 vs 0.030): Triton stays
 # preferred there until `oscar generate` is rerun with this kernel.
-register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates_queries=True),
+register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates=True),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
                                                 and _mgpu_attention.device_supported()),
          prefer=lambda spec, queries, group: spec.head_dim == 128)

@@ -29,7 +29,7 @@ from oscar_jax import attention, quant, reference
 from oscar_jax import cache as cache_lib
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
-from oscar_jax.pallas_kernels.gpu import decode_finish, mixed_attention, mixed_attention_mgpu, quantize_pack
+from oscar_jax.pallas_kernels.gpu import decode_finish, decode_start, mixed_attention, mixed_attention_mgpu, quantize_pack
 
 HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
 
@@ -100,14 +100,14 @@ def _random_case(rng, spec: CacheSpec, g: int, c: int, lengths: np.ndarray, k_sh
 
 
 def _check_attention(rng, spec, g, c, lengths, kernel=None, k_shift=False, implementation="pallas",
-                     rotates_queries=False):
-    """kernel: a `mixed_attention`-like function (rotates_queries: it rotates q itself); None
+                     rotates=False):
+    """kernel: a `mixed_attention`-like function (rotates: it rotates q and o itself); None
     runs `attend(implementation=...)`."""
     q, cache, params = _random_case(rng, spec, g, c, lengths, k_shift=k_shift)
     if kernel is None:
         o, lse = _attend(q, cache, params, implementation=implementation)
     else:
-        o, lse = jax.jit(attention.kernel_attend(kernel, rotates_queries=rotates_queries))(q, cache, params)
+        o, lse = jax.jit(attention.kernel_attend(kernel, rotates=rotates))(q, cache, params)
     o_ref, lse_ref = _reference(q, cache, params)
     assert o.shape == o_ref.shape and lse.shape == lse_ref.shape
     assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
@@ -321,40 +321,54 @@ def test_mgpu_attention_matches_reference(case, pattern):
     assert mixed_attention_mgpu.supports(spec, 1, g)
     kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target)
     _check_attention(rng, spec, g, 1, _lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True,
-                     rotates_queries=True)
+                     rotates=True)
+
+
+@pytest.mark.parametrize("sink", [64, 0])
+def test_mgpu_sink_and_ring_match_reference(sink):
+    """A production-size ring (192: decode_finish's bf16 steps at full size, twice), with and
+    without a sink, lengths on every sink / ring boundary."""
+    spec = _spec(64, 64, "uniform", "bfloat16", sink=sink, window=192, hist=256)
+    rng = np.random.default_rng([sink, 5])
+    lengths = np.array([1, max(sink, 1) + 70, sink + 192, spec.max_len], np.int32)
+    _check_attention(rng, spec, 3, 1, lengths, kernel=mixed_attention_mgpu.mixed_attention, rotates=True)
 
 
 def test_mgpu_two_tma_buffers_match_reference():
     """buffers=2 (the default is 3): step i + 1 in flight while step i is computed (4 steps:
-    the buffers wrap twice); queries rotated in XLA (prepare_queries' query_rot=None path)."""
+    the buffers wrap twice); both rotations in XLA (decode_start's query_rot=None path and
+    decode_finish's output_rot=None path)."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1024)
     rng = np.random.default_rng(3)
     kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=8, buffers=2)
     _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True,
-                     rotates_queries=False)
+                     rotates=False)
 
 
-@pytest.mark.parametrize("d,g,cols,splits", [(128, 3, 4, 5), (256, 1, 1, 19), (64, 8, 8, 2)])
-def test_decode_finish_matches_a_direct_merge(d, g, cols, splits):
+@pytest.mark.parametrize("d,g,cols,splits,rotate", [(128, 3, 4, 5, True), (256, 1, 1, 19, False),
+                                                   (64, 8, 8, 2, True)])
+def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate):
     """decode_finish against an XLA oracle: the bf16 sink + ring attention (ring positions
     from `cache.ring_positions`) and a log-sum-exp over every partial column c % cols == i,
-    with empty (-inf) partials and rows whose history or ring is empty. The ring of 192
-    takes several sink/ring steps at every D. q has 8 rows, as the Mosaic GPU kernel passes
-    it: rows past g are ignored."""
+    with empty (-inf) partials and rows whose history or ring is empty, all in base 2; then
+    o_rot · R^T per KV head when the output rotation is given (to f32 precision). The ring of
+    192 takes several sink/ring steps at every D. q has 8 rows, as the Mosaic GPU kernel
+    passes it: rows past g are ignored."""
     rng = np.random.default_rng([d, g, splits])
     b, hkv, sink, window = 4, 2, 8, 192
     lengths = np.array([3, sink + 10, sink + window + 50, 1000], np.int32)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    q = f32(b, hkv, 8, d) * 0.2
+    q = f32(b, hkv, 8, d) * 0.3
     o_t = f32(b, hkv, splits, d, 8)
     lse2 = np.asarray(rng.standard_normal((b, hkv, splits, 8)) * 3, np.float32)
     lse2[0] = -np.inf  # row 0: no history at all
     lse2[:, :, 0, :4] = -np.inf  # some empty partials
     bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     sink_k, sink_v, recent_k, recent_v = bf(b, hkv, sink, d), bf(b, hkv, sink, d), bf(b, hkv, window, d), bf(b, hkv, window, d)
+    rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
     o, lse = decode_finish.decode_finish(q, o_t, jnp.asarray(lse2), sink_k, sink_v, recent_k, recent_v,
                                          jnp.asarray(lengths), cols=cols, sink=sink, window=window, g=g,
-                                         interpret=True)
+                                         output_rot=rot, interpret=True)
     assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g)
 
     n = jnp.asarray(lengths)
@@ -363,9 +377,10 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits):
     k = jnp.concatenate([sink_k, recent_k], axis=2).astype(jnp.float32)
     v = jnp.concatenate([sink_v, recent_v], axis=2).astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
-    s_d = jnp.where(visible, jnp.einsum("bhgd,bhtd->bhgt", q, k, precision=hi), -jnp.inf)
+    ln2 = np.log(2.0)
+    s_d = jnp.where(visible, jnp.einsum("bhgd,bhtd->bhgt", q, k, precision=hi) * ln2, -jnp.inf)  # natural base
     owner = np.arange(8) % cols  # the query of each partial column
-    lse_h = [jnp.asarray(lse2 * np.log(2.0))[..., owner == i].reshape(b, hkv, -1) for i in range(g)]
+    lse_h = [jnp.asarray(lse2 * ln2)[..., owner == i].reshape(b, hkv, -1) for i in range(g)]
     o_h = [jnp.moveaxis(o_t[..., owner == i], -1, -2).reshape(b, hkv, -1, d) for i in range(g)]
     for i in range(g):
         scores = jnp.concatenate([s_d[:, :, i], lse_h[i]], axis=-1)  # [B, Hkv, T + partials]
@@ -373,6 +388,8 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits):
         want_lse = jax.nn.logsumexp(scores, axis=-1)
         weights = jnp.exp(scores - jnp.where(jnp.isfinite(want_lse), want_lse, 0.0)[..., None])
         want_o = jnp.einsum("bht,bhtd->bhd", weights, values, precision=hi)
+        if rotate:
+            want_o = jnp.einsum("bhe,hde->bhd", want_o, rot, precision=hi)
         np.testing.assert_allclose(np.asarray(lse[:, :, i]), np.asarray(want_lse), rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(np.asarray(o[:, :, i]), np.asarray(want_o), rtol=1e-4, atol=1e-4)
 
@@ -382,24 +399,23 @@ QUERY_LAYOUT_CASES = [(128, 4, True), (64, 1, False), (256, 3, True)]  # D = 256
 
 @pytest.mark.parametrize("d,g,rotate", QUERY_LAYOUT_CASES[:2])
 def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
-    """prepare_queries against an XLA oracle: column c of the N = 8 query columns is query
-    c % (8 / P) of column block c // (8 / P) (zeros in the other blocks and in padding
-    columns), q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo within q_step / 2 (+ the rare
-    clipped q_lo), far under a bf16 rounding of q; Σq per column; the rotated queries to
-    f32 precision (a TF32 rotation fails)."""
+    """decode_start's query layouts against an XLA oracle: column c of the N = 8 query
+    columns is query c % (8 / P) of column block c // (8 / P) (zeros in the other blocks and
+    in padding columns), q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo within q_step / 2
+    (+ the rare clipped q_lo), far under a bf16 rounding of q (a TF32 rotation fails); Σq
+    per column."""
     rng = np.random.default_rng([d, g])
     b, hkv, scale = 3, 2, d ** -0.5
     q = jnp.asarray(rng.standard_normal((b, hkv * g, d)) * 3, jnp.float32)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32)
     packed = mixed_attention_mgpu.slices_per_tile(g, d)
-    blocks, qcol, q_nat = mixed_attention_mgpu.prepare_queries(
-        q, rot if rotate else None, kv_heads=hkv, softmax_scale=scale, packed=packed, interpret=interpret)
+    blocks, qcol, q_cols = decode_start.decode_start(q, rot if rotate else None, kv_heads=hkv, softmax_scale=scale,
+                                                    packed=packed, interpret=interpret)
     heads = q.reshape(b, hkv, g, d)
     want = jnp.einsum("bhgd,hde->bhge", heads, rot, precision=jax.lax.Precision.HIGHEST) if rotate else heads
     cols = 8 // packed
     owner = np.arange(8) % cols  # the query of each column; columns with owner >= g are padding
     want_cols = jnp.where(jnp.asarray(owner < g)[:, None], want[:, :, np.minimum(owner, g - 1)] * scale, 0.0)
-    np.testing.assert_allclose(np.asarray(q_nat), np.asarray(want_cols), rtol=1e-5, atol=1e-5)
     want2 = want_cols * np.log2(np.e)
     assert blocks.shape == (b, hkv, packed, 16, d)  # block j: [q_hi; q_lo] of column block j
     hi = sum(blocks[:, :, j, :8].astype(jnp.float32) for j in range(packed))  # one block per column
@@ -419,6 +435,7 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     assert err <= 1.0 / (127 * 256) + 1e-6 and err < bf16_err / 10
     assert not np.any(np.asarray(hi)[:, :, ~real]) and not np.any(np.asarray(lo)[:, :, ~real])
     np.testing.assert_allclose(np.asarray(q_sum), np.asarray(jnp.sum(want2, axis=-1)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(q_cols), np.asarray(want2), rtol=1e-5, atol=1e-5)
 
 
 def test_mgpu_refuses_what_it_does_not_handle():
@@ -462,8 +479,8 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
 def test_mgpu_lowers_for_cuda(d, g, rotate):
     """B8 Hkv 8 at 32K, each slices_per_tile (2, 4, and 1 at D = 256) and D = 64's 64-byte
     swizzle: Mosaic GPU's layout
-    inference, wgmma and TMA checks for sm_90, and the Triton lowering of prepare_queries
-    (with and without the rotation) and decode_finish."""
+    inference, wgmma and TMA checks for sm_90, and the Triton lowering of decode_start and
+    decode_finish (with and without the rotations)."""
     b, hkv, rows, sink, window = 8, 8, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
@@ -474,7 +491,8 @@ def test_mgpu_lowers_for_cuda(d, g, rotate):
     fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
                            levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False)
     if rotate:
-        _lower_for_h200(lambda *a: fn(*a[:-1], query_rot=a[-1]), (*args, sds((hkv, d, d), jnp.float32)))
+        rot = sds((hkv, d, d), jnp.float32)
+        _lower_for_h200(lambda *a: fn(*a[:-2], query_rot=a[-2], output_rot=a[-1]), (*args, rot, rot))
     else:
         _lower_for_h200(fn, args)
 
@@ -526,7 +544,7 @@ def test_mgpu_attention_on_gpu_real_windows(d, g):
     spec = _spec(d, d, "uniform", "bfloat16", sink=64, window=256, hist=2048)
     rng = np.random.default_rng([d, g])
     _check_attention(rng, spec, g, 1, np.array([1, 64 + 256 + 1, 1700, spec.max_len], np.int32),
-                     kernel=mixed_attention_mgpu.mixed_attention, rotates_queries=True)
+                     kernel=mixed_attention_mgpu.mixed_attention, rotates=True)
 
 
 @pytest.mark.gpu

@@ -1,17 +1,21 @@
-"""The end of a split decode: bf16 sink + recent attention and the log-sum-exp merge, in one kernel.
+"""The end of a Mosaic GPU split decode: the bf16 sink and ring, the merge of every partial and the output rotation, in one kernel.
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
-The Mosaic GPU decode kernel (`mixed_attention_mgpu`) leaves, per (batch row, KV head),
-S history partials of 8 columns each: column c of a partial belongs to query c % cols
-(column blocks of packed token slices). One program per (batch row, KV head, block of 64
-output channels) attends the g queries to the bf16 sink and recent ring (scores over all D,
-V and output over its block) and merges that partial with the history ones (its block of
-them): one launch where XLA took about 20 small ops (concatenations, transposes,
-reductions), with B x Hkv x D/64 programs rather than B x Hkv.
+Per (batch row, KV head) the Mosaic GPU kernel (`mixed_attention_mgpu`) leaves S history
+partials: o^T [D, 8] normalised and its log-sum-exp in base 2, column c for query c % cols
+(column blocks of packed token slices; -inf where a partial saw nothing). One program per
+(batch row, KV head, block of 64 output channels) attends the g queries to the bf16 sink and
+recent ring (scores over all D, values over the channels it merges), merges the history
+partials elementwise in f32 (pass 1: each query's largest lse; pass 2: the weighted sum of
+the [D, 16] partial tiles; an FMA dot over all 16 query rows took half of the kernel's
+instructions on the H200), merges the two, and, given the output rotation, rotates its block
+of the result back (rows of R times o_rot; it then merges all D). All scores are in base 2
+(log2 e is folded into the queries); the returned lse is in the natural base.
 
-Precision: q and p enter the MMAs as two bf16 parts each (hi + lo, ~16 bits); the merge is
-in f32.
+Precision: q and p enter the bf16 MMAs as two bf16 parts each (hi + lo, ~16 bits); the merge
+is exact f32; the rotation is three bf16 MMAs on the GPU (~17 bits) and exact f32 in
+interpret mode.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .mixed_attention import f32_dot
 
 _LN2 = math.log(2.0)
 _D_BLOCK = 64  # output channels per program (scores still take all D)
-_CHUNK_ELEMENTS = 8192  # f32 elements of history partials merged per step ([8192 / 64, 64])
+_Q = 16  # query columns of every tile: the partials' 8, padded to the least dot N
 
 
 def _dense_block(d: int) -> int:
@@ -41,8 +45,8 @@ def _dense_block(d: int) -> int:
     return 128 if d <= 128 else 64
 
 
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (max(n, 1) - 1).bit_length())
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def _split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -50,25 +54,35 @@ def _split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_out_ref, *,
-            g: int, cols: int, splits: int, sink: int, window: int, d: int, interpret: bool):
+def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs, g: int, cols: int,
+            sink: int, window: int, rotate: bool, interpret: bool):
+    rot_ref, o_ref, lse_out_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
-    gq, db = _pow2(g), min(d, _D_BLOCK)  # this program's output channels: block program_id(2) of db
+    splits, d = ot_ref.shape[2], ot_ref.shape[3]
+    db = min(d, _D_BLOCK)
+    out_cols = pl.program_id(2) * db + jnp.arange(db)  # this program's output channels
+    mcol = jnp.arange(d) if rotate else out_cols  # the channels it merges
     n = n_ref[b]
-    qrow = jnp.arange(gq)
-    dcol = jnp.arange(d)  # scores take every channel
-    vcol = pl.program_id(2) * db + jnp.arange(db)
+    # Query column i holds query min(i, g - 1): columns past g repeat query g - 1, so that the
+    # stores go unmasked (the copies write the same values).
+    c = jnp.arange(_Q)
+    queries = jnp.minimum(c, g - 1)
+
+    def f32_dot_t(x, y):
+        """x [K, M] times y [K, N] bf16 -> x^T y f32 [M, N] (see `f32_dot`)."""
+        if interpret:
+            x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+        return lax.dot_general(x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=lax.Precision.HIGHEST if interpret else None)
 
     # bf16 segments: sink (positions 0..S0-1) and the recent ring (slot j holds the newest
-    # position p < n with (p - S0) % W == j: layout.ring_position), natural base.
-    # Rows past g (padding up to a power of two) repeat query g - 1, so that the stores of
-    # the outputs go unmasked (the copies write the same values).
-    qidx = jnp.minimum(qrow, g - 1)
-    q = plgpu.load(q_ref.at[b, h, qidx[:, None], dcol[None, :]])
-    q_hi, q_lo = _split_bf16(q)
+    # position p < n with (p - S0) % W == j: layout.ring_position), as [tokens, 16] score tiles.
+    q_hi, q_lo = _split_bf16(plgpu.load(q_ref.at[b, h, queries[:, None], jnp.arange(d)[None, :]]))
+
     def segment(k_ref, v_ref, size, positions, carry):
         """Online softmax over one bf16 segment in blocks of `_dense_block(d)` tokens."""
         block = _dense_block(d)
+
         def step(i, carry):
             m, l, acc = carry
             j = i * block + jnp.arange(block)
@@ -76,89 +90,98 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, o_ref
             pos = positions(j)
             visible = ok & (pos >= 0) & (pos < n)
             rows = jnp.minimum(j, size - 1)[:, None]
-            k = plgpu.load(k_ref.at[b, h, rows, dcol[None, :]], mask=ok[:, None], other=0.0)
-            s = f32_dot(q_hi, k, 1, interpret) + f32_dot(q_lo, k, 1, interpret)  # [GQ, block]
-            s = jnp.where(visible[None, :], s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            k = plgpu.load(k_ref.at[b, h, rows, jnp.arange(d)[None, :]], mask=ok[:, None], other=0.0)
+            s = f32_dot(k, q_hi, 1, interpret) + f32_dot(k, q_lo, 1, interpret)  # [block, 16]
+            s = jnp.where(visible[:, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=0))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(m - m_use)
-            p = jnp.exp(s - m_use[:, None])
-            p_hi, p_lo = _split_bf16(p)
-            v = plgpu.load(v_ref.at[b, h, rows, vcol[None, :]], mask=ok[:, None], other=0.0)
-            pv = f32_dot(p_hi, v, 0, interpret) + f32_dot(p_lo, v, 0, interpret)
-            return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s - m_use[None, :])
+            v = plgpu.load(v_ref.at[b, h, rows, mcol[None, :]], mask=ok[:, None], other=0.0)
+            pv = sum(f32_dot_t(v, part) for part in _split_bf16(p))  # [D_merged, 16]
+            return m_new, l * alpha + jnp.sum(p, axis=0), acc * alpha[None, :] + pv
 
         return lax.fori_loop(0, -(-size // block), step, carry)
 
-    dense = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32), jnp.zeros((gq, db), jnp.float32))
+    dense = (jnp.full((_Q,), -jnp.inf, jnp.float32), jnp.zeros((_Q,), jnp.float32),
+             jnp.zeros((mcol.shape[0], _Q), jnp.float32))
     if sink:
         dense = segment(sk_ref, sv_ref, sink, lambda j: j, dense)
-    m_d, l_d, o_d = segment(rk_ref, rv_ref, window, lambda j: layout.ring_position(n, j, sink, window), dense)
-    m_du = jnp.where(m_d == -jnp.inf, 0.0, m_d)
+    m_d, l_d, acc_d = segment(rk_ref, rv_ref, window, lambda j: layout.ring_position(n, j, sink, window), dense)
 
-    # History partials, base 2: rows r = 8 s + c of a chunk of splits, merged online as one
-    # [GQ, R] weight matrix (query i takes the columns c with c % cols == i) times [R, DB].
-    chunk = max(1, _CHUNK_ELEMENTS // (8 * db))  # splits per step
-    r = jnp.arange(8 * chunk)
-    col = r % 8
-    mine = (col % cols)[None, :] == qidx[:, None]  # [GQ, R]
+    # History partials. Partial column p (0..7, padded to 16) belongs to query p % cols.
+    real = c < 8
+    owns = real[:, None] & (c[:, None] % cols == queries[None, :])  # [16 partial columns, 16 query columns]
+    same = real[:, None] & real[None, :] & (c[:, None] % cols == c[None, :] % cols)
+    finite = lambda x: jnp.where(x == -jnp.inf, 0.0, x)
+    # Pass 1: each query's largest log-sum-exp, per partial column and per query column.
+    s_ids = jnp.arange(_pow2(splits))
+    lses = plgpu.load(lse_ref.at[b, h, jnp.minimum(s_ids, splits - 1)[:, None], jnp.minimum(c, 7)[None, :]],
+                      mask=(s_ids < splits)[:, None] & real[None, :], other=-jnp.inf)  # [S_pad, 16]
+    col_top = jnp.max(lses, axis=0)
+    top = finite(jnp.max(jnp.where(same, col_top[None, :], -jnp.inf), axis=1))
+    top_q = finite(jnp.max(jnp.where(owns, col_top[:, None], -jnp.inf), axis=0))
 
+    # Pass 2: acc[:, p] = sum over partials of 2^(lse - top) o (elementwise, f32).
     def merge(i, carry):
-        m, l, acc = carry
-        s_idx = i * chunk + r // 8
-        ok = s_idx < splits
-        s_safe = jnp.minimum(s_idx, splits - 1)
-        lse = plgpu.load(lse_ref.at[b, h, s_safe, col], mask=ok, other=-jnp.inf)  # [R]
-        o = plgpu.load(ot_ref.at[b, h, s_safe[:, None], vcol[None, :], col[:, None]],
-                       mask=ok[:, None], other=0.0)  # [R, DB]
-        lse_q = jnp.where(mine, lse[None, :], -jnp.inf)  # [GQ, R]
-        m_new = jnp.maximum(m, jnp.max(lse_q, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_use)
-        w = jnp.exp2(lse_q - m_use[:, None])  # 0 off a query's columns
-        pw = lax.dot_general(w, o, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST)  # f32 FMAs
-        return m_new, l * alpha + jnp.sum(w, axis=1), acc * alpha[:, None] + pw
+        acc, l = carry
+        w = jnp.exp2(plgpu.load(lse_ref.at[b, h, i, jnp.minimum(c, 7)], mask=real, other=-jnp.inf) - top)
+        o = plgpu.load(ot_ref.at[b, h, i, mcol[:, None], jnp.minimum(c, 7)[None, :]], mask=real[None, :], other=0.0)
+        return acc + o * w[None, :], l + w
 
-    init = (jnp.full((gq,), -jnp.inf, jnp.float32), jnp.zeros((gq,), jnp.float32),
-            jnp.zeros((gq, db), jnp.float32))
-    m_h, l_h, acc_h = lax.fori_loop(0, -(-splits // chunk), merge, init)
+    acc_h, l_col = lax.fori_loop(0, splits, merge, (jnp.zeros((mcol.shape[0], _Q), jnp.float32),
+                                                    jnp.zeros((_Q,), jnp.float32)))
+    hi = lax.Precision.HIGHEST
+    o_h = lax.dot_general(acc_h, owns.astype(jnp.float32), (((1,), (0,)), ((), ())), precision=hi)  # to queries
+    l_h = jnp.sum(jnp.where(owns, l_col[:, None], 0.0), axis=0)
 
-    # Merge the two: history (base 2, sums of normalised partials) and bf16 (natural base).
-    lse_h = jnp.where(l_h > 0, (m_h + jnp.log2(jnp.where(l_h > 0, l_h, 1.0))) * _LN2, -jnp.inf)
-    lse_d = jnp.where(l_d > 0, m_du + jnp.log(jnp.where(l_d > 0, l_d, 1.0)), -jnp.inf)
-    lse = jnp.maximum(lse_h, lse_d)
-    top = jnp.where(lse == -jnp.inf, 0.0, lse)
-    w_h = jnp.where(l_h > 0, jnp.exp(lse_h - top) / jnp.where(l_h > 0, l_h, 1.0), 0.0)
-    w_d = jnp.where(l_d > 0, jnp.exp(lse_d - top) / jnp.where(l_d > 0, l_d, 1.0), 0.0)
-    total = jnp.where(l_h > 0, jnp.exp(lse_h - top), 0.0) + jnp.where(l_d > 0, jnp.exp(lse_d - top), 0.0)
-    safe = jnp.where(total > 0, total, 1.0)
-    plgpu.store(o_ref.at[b, h, qidx[:, None], vcol[None, :]],
-                (acc_h * w_h[:, None] + o_d * w_d[:, None]) / safe[:, None])
-    plgpu.store(lse_out_ref.at[b, h, qidx], jnp.where(total > 0, top + jnp.log(safe), -jnp.inf))  # same per block
+    # The two merged: history (scale 2^top_q) and bf16 (scale 2^m_d), per query column.
+    m_h = jnp.where(l_h > 0, top_q, -jnp.inf)
+    m_dd = jnp.where(l_d > 0, finite(m_d), -jnp.inf)
+    top_all = finite(jnp.maximum(m_h, m_dd))
+    w_h = jnp.where(l_h > 0, jnp.exp2(m_h - top_all), 0.0)
+    w_d = jnp.where(l_d > 0, jnp.exp2(m_dd - top_all), 0.0)
+    total = w_h * l_h + w_d * l_d
+    seen = total > 0
+    o = (o_h * w_h[None, :] + acc_d * w_d[None, :]) / jnp.where(seen, total, 1.0)[None, :]  # [D_merged, 16]
+    if rotate:  # o_model = R o_rot: rows out_cols of R
+        precision = hi if interpret else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+        r_rows = plgpu.load(rot_ref.at[h, out_cols[:, None], mcol[None, :]])  # [DB, D]
+        o = lax.dot_general(r_rows, o, (((1,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32)
+    plgpu.store(o_ref.at[b, h, queries[None, :], out_cols[:, None]], o)
+    lse = jnp.where(seen, (top_all + jnp.log2(jnp.where(seen, total, 1.0))) * _LN2, -jnp.inf)
+    plgpu.store(lse_out_ref.at[b, h, queries], lse)  # the same in every channel block
 
 
-def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, cols: int,
-                  sink: int, window: int, g: int, interpret: bool = False):
-    """Attend the bf16 segments and merge them with the history partials.
+def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, cols: int, sink: int,
+                  window: int, g: int, output_rot=None, interpret: bool = False):
+    """Attend the bf16 segments, merge them with the history partials, rotate back.
 
-    q: f32 [B, Hkv, R, D] (softmax scale folded in, natural base), of which rows 0..g-1 are
-    the g queries (rows past g are ignored); o_t: f32 [B, Hkv, S, D, 8]
+    q: f32 [B, Hkv, R, D] (softmax scale and log2 e folded in: base 2), of which rows
+    0..g-1 are the g queries (rows past g are ignored); o_t: f32 [B, Hkv, S, D, 8]
     normalised history partials, column c for query c % cols; lse2: f32 [B, Hkv, S, 8] their
     log-sum-exp in base 2 (-inf: nothing seen); sink_k/v bf16 [B, Hkv, S0, D]; recent_k/v
-    bf16 [B, Hkv, W, D]; lengths int32 [B]. Returns (o f32 [B, Hkv, g, D], lse f32 [B, Hkv, g],
-    natural base).
+    bf16 [B, Hkv, W, D]; lengths int32 [B]; output_rot: f32 [Hkv, D, D] or None (o = o_rot ·
+    output_rot[h]^T when given). Returns (o f32 [B, Hkv, g, D], lse f32 [B, Hkv, g], natural
+    base).
     """
     b, hkv, rows, d = q.shape
     splits = o_t.shape[2]
     if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= min(cols, rows) <= 8:
         raise ValueError(f"o_t.shape={o_t.shape}, lse2.shape={lse2.shape}, g={g}, cols={cols}: expected "
                          f"[B={b}, Hkv={hkv}, S, D={d}, 8], [B, Hkv, S, 8] and g <= cols <= 8, g <= q.shape[2]")
+    if output_rot is not None and output_rot.shape != (hkv, d, d):
+        raise ValueError(f"output_rot.shape={output_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
+    rotate = output_rot is not None
+    if not sink:  # no zero-sized operands: the ring stands in (unread)
+        sink_k, sink_v = recent_k, recent_v
+    arrays = (lengths.astype(jnp.int32), q, o_t, lse2, sink_k, sink_v, recent_k, recent_v,
+              *((output_rot.astype(jnp.float32),) if rotate else ()))
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), jnp.float32), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
-    arrays = (lengths.astype(jnp.int32), q, o_t, lse2, sink_k, sink_v, recent_k, recent_v)
-    o, lse = pl.pallas_call(
-        functools.partial(_kernel, g=g, cols=cols, splits=splits, sink=sink, window=window, d=d,
-                          interpret=interpret),
+    return pl.pallas_call(
+        functools.partial(_kernel, g=g, cols=cols, sink=sink, window=window, rotate=rotate, interpret=interpret),
         grid=(b, hkv, d // min(d, _D_BLOCK)),
         in_specs=[full(x) for x in arrays],
         out_specs=[full(o) for o in out_shape],
@@ -167,4 +190,3 @@ def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, 
         interpret=interpret,
         name="oscar_decode_finish",
     )(*arrays)
-    return o, lse

@@ -37,14 +37,14 @@ shared memory with TMA, `buffers` steps deep. Only a split's last step masks (to
 the history, rows a tile moved back repeats). The V products' B operands are zero outside
 their slice's column block once, before the loop, so each step stores only the weights.
 
-Three launches per call: `prepare_queries` (one Triton kernel: the query rotation, the
-softmax scale and every query layout the MMAs need), this kernel, and `decode_finish`.
+Three launches per call: `decode_start` (one Triton kernel: the query rotation, the
+softmax scale and every query layout the MMAs need), this kernel, and `decode_finish` (one
+Triton kernel: the bf16 sink and recent ring, the merge of every partial and the
+back-rotation of the output).
 
 Scope (`supports`): C = 1, D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata,
 g <= 8, packed history rows fewer than 64 (padded here) or a multiple of 64 (whole TMA
 tiles; `CacheSpec` allocates a longer history in 256-token tiles).
-`decode_finish` (one Triton kernel) then attends the bf16 sink and recent ring and merges
-every partial.
 In interpret mode (CPU) the A operands are staged in shared memory (the GPU interpreter
 takes no register operands), and the unpacking, the metadata broadcast and the transposed
 store use array ops; `pytest -m gpu` runs the compiled forms.
@@ -62,23 +62,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import triton as plgpu_triton
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from oscar_jax.pallas_kernels import layout
 
+from . import decode_start as start
 from .decode_finish import decode_finish
 
-_ROWS = 64  # packed rows per step: one m64 MMA tile per token slice
-_N = 8  # query columns (the smallest MMA N): g heads of one or more token slices
+_ROWS = start.TILE_ROWS  # packed rows per step: one m64 MMA tile per token slice
+_N = start.N  # query columns (the smallest MMA N): g heads of one or more token slices
 _TPB = 4  # tokens per packed byte (2-bit codes)
 _COPIES = 6  # TMA copies per step: K codes, V codes, lo/scale of K and of V
-_Q_LO = 256.0  # q ≈ q_step * (256 q_hi + q_lo)
+_Q_LO = start.Q_LO  # q ≈ q_step * (256 q_hi + q_lo)
 _W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
 _W_LO = 254.0
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
-_LOG2E = 1.4426950408889634
 _SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fewer shifts)
 
 
@@ -387,90 +386,6 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     plgpu.wait_smem_to_gmem(0)
 
 
-def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q f32 [..., D] (a row or a chunk of one) and peak f32 [...] (max |q| over the whole
-    row) -> (int8 q_hi, int8 q_lo [..., D], q_step f32 [...]) with q ≈ q_step * (256 q_hi +
-    q_lo): |error| <= q_step / 2 (+ a clipped q_lo), about 16 bits relative to the peak."""
-    unit = jnp.where(peak > 0, peak / _W_MAX, 1.0)  # q / unit in [-127, 127]
-    x = q / unit[..., None]
-    hi = layout.round_to_int(x)
-    lo = jnp.clip(layout.round_to_int((x - hi.astype(jnp.float32)) * _Q_LO), -127, 127)
-    return hi.astype(jnp.int8), lo.astype(jnp.int8), unit / _Q_LO
-
-
-def _prep_kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpret: bool):
-    """One (batch row, KV head): rotate its g queries, fold in the softmax scale, and lay
-    them out for the MMAs (see `prepare_queries`)."""
-    rot_ref, qb_ref, qcol_ref, qn_ref = refs if rotate else (None, *refs)
-    b, h = pl.program_id(0), pl.program_id(1)
-    d, packed = q_ref.shape[-1], _N // cols
-    # Row c of a [16, .] tile (a dot's least M) is column c of the MMA's N = 8; rows 8-15 repeat
-    # row 7, so that every store can go unmasked (the copies write the same values).
-    c = jnp.minimum(jnp.arange(2 * _N), _N - 1)
-    use = c % cols < g  # column c takes query c % cols of column block c // cols
-    heads = (h * g + jnp.minimum(c % cols, g - 1))[:, None]
-    tile_rows = c[:, None]
-    cw = min(d, 64)  # rotated channels per chunk ([D, 64] of the rotation per product)
-    chunks = [j * cw + jnp.arange(cw) for j in range(d // cw)]
-    # The rotation: three bf16 MMAs per product on the GPU (~17 bits, finer than the ~16 of
-    # the q_hi/q_lo split; six, for ~f32, took 10.3 against ~5 us per call with TF32, which is
-    # too coarse), exact f32 in interpret mode.
-    if rotate:
-        precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
-        x = plgpu_triton.load(q_ref.at[b, heads, jnp.arange(d)[None, :]], mask=use[:, None], other=0.0)
-        xs = [jnp.dot(x.astype(jnp.float32), rot_ref[h, :, pl.ds(j * cw, cw)], precision=precision)
-              for j in range(d // cw)]
-    else:
-        xs = [plgpu_triton.load(q_ref.at[b, heads, ch[None, :]], mask=use[:, None], other=0.0).astype(jnp.float32)
-              for ch in chunks]
-    xs = [x * scale for x in xs]
-    for ch, x in zip(chunks, xs):  # natural base, for decode_finish
-        plgpu_triton.store(qn_ref.at[b, h, tile_rows, ch[None, :]], x)
-    xs = [x * _LOG2E for x in xs]  # the kernel's scores are in base 2
-    peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in xs])
-    for ch, x in zip(chunks, xs):
-        q_hi, q_lo, q_step = split_query(x, peak)
-        for k, part in enumerate((q_hi, q_lo)):
-            for j in range(packed):  # column block j: zeros outside it
-                plgpu_triton.store(qb_ref.at[b, h, j, k * _N + tile_rows, ch[None, :]],
-                                   jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
-    q_sum = sum(jnp.sum(x, axis=1) for x in xs)
-    rows = jnp.arange(_ROWS)[:, None]
-    for k, vec in enumerate((q_step, q_sum)):  # the same in every row of the [64, 8] tile
-        plgpu_triton.store(qcol_ref.at[b, h, k, rows, tile_rows.T],
-                           jnp.broadcast_to(vec[None, :], (_ROWS, 2 * _N)))
-
-
-def prepare_queries(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int,
-                    interpret: bool = False):
-    """q [B, Hq, D] (model basis, or rotated when query_rot is None); query_rot f32
-    [Hkv, D, D] or None. Returns, per (batch row, KV head), in one Triton kernel:
-    q_blocks int8 [B, Hkv, P, 16, D] (block j: q_hi in rows 0..7, q_lo in rows 8..15; it holds
-    column block j of the N = 8 query columns, zeros elsewhere), qcol f32 [B, Hkv, 2, 64, 8]
-    (q_step and Σq of each column, repeated over the 64 rows of a score tile), both in base 2
-    (log2 e folded in), and q_cols f32 [B, Hkv, 8, D], the columns' scaled rotated queries
-    in the natural base. Column c is query c % (8 / P) (so columns 0..g-1 are queries
-    0..g-1); padding columns are 0."""
-    b, hq, d = q.shape
-    g, cols = hq // kv_heads, _N // packed
-    rotate = query_rot is not None
-    inputs = (q, query_rot.astype(jnp.float32)) if rotate else (q,)
-    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, packed, 2 * _N, d), jnp.int8),
-                 jax.ShapeDtypeStruct((b, kv_heads, 2, _ROWS, _N), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kv_heads, _N, d), jnp.float32)]
-    return pl.pallas_call(
-        functools.partial(_prep_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, interpret=interpret),
-        grid=(b, kv_heads),
-        in_specs=[full(x.shape) for x in inputs],
-        out_specs=[full(o.shape) for o in out_shape],
-        out_shape=out_shape,
-        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="oscar_prepare_queries",
-    )(*inputs)
-
-
 def slices_per_tile(g: int, head_dim: int) -> int:
     """Token slices whose scores share one [64, 8] tile: each takes a block of 8 / P columns,
     g padded to a power of two (g = 4: 2 slices, g <= 2: all 4, g > 4: 1). At D = 256 one
@@ -504,18 +419,22 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool = False, target_programs: int | None = None, buffers: int = 3,
-                    query_rot: jax.Array | None = None):
+                    query_rot: jax.Array | None = None, output_rot: jax.Array | None = None):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
-    except that the query rotation may be left to this kernel.
+    except that both rotations may be left to this kernel.
 
     q: [B, 1, Hq, D], rotated, or in the model basis when query_rot f32 [Hkv, D, D] is given
-    (`prepare_queries` rotates it: one kernel for the rotation and every query layout the
-    MMAs need, where XLA took about ten small ops); hist_codes_k uint8 [B, Hkv, T_hist/4, D]; hist_codes_v uint8
-    [B, Hkv, D, T_hist/4] (channel-major); lo/scale bf16 [B, Hkv, 1, 4, T_hist/4];
-    sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B]. Returns (o_rot f32
-    [B, 1, Hq, D], lse f32 [B, 1, Hq]). target_programs: history splits are chosen for
-    about this many programs; None: 512 at D <= 128 (on the H200 the kernel took 0.080 ms
-    against 0.083 ms with 1024 at B8 H32/8 32K, and the same at 128K), 1024 at D = 256.
+    (`decode_start` rotates it: one kernel for the rotation and every query layout the MMAs
+    need, where XLA took about ten small ops); hist_codes_k uint8 [B, Hkv, T_hist/4, D];
+    hist_codes_v uint8 [B, Hkv, D, T_hist/4] (channel-major); lo/scale bf16 [B, Hkv, 1, 4,
+    T_hist/4]; sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B]; output_rot f32
+    [Hkv, D, D] or None (`decode_finish` rotates the output back: o = o_rot · output_rot[h]^T).
+    Returns (o f32 [B, 1, Hq, D]: o_rot, or rotated back when output_rot is given; lse f32
+    [B, 1, Hq]). target_programs: history splits are chosen for about this many programs;
+    None: 256 at D <= 128 (one wave of 2 programs per SM on the H200; at B8 H32/8 the call took
+    0.0810 against 0.0868 ms with 512 at 32K and 0.2437 against 0.2478 ms at 128K, the
+    kernel 58.4 / 220.1 against 60.8 / 221.9 us and decode_finish, with half the partials to
+    merge, 16.1 against 19.4 us: bench/results/kernels_session8_h200.json), 1024 at D = 256.
     buffers: TMA pipeline depth (3 was faster than 2 at D = 128 in
     each of three H200 runs).
     """
@@ -538,8 +457,8 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         raise ValueError(f"query_rot.shape={query_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
     packed = slices_per_tile(g, d)
     cols = _N // packed  # query columns per slice: g padded
-    q_blocks, qcol, q_nat = prepare_queries(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale,
-                                            packed=packed, interpret=interpret)
+    q_blocks, qcol, q_cols = start.decode_start(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale,
+                                                packed=packed, interpret=interpret)
 
     codes_k, codes_v = hist_codes_k, hist_codes_v
     meta = [x.reshape(b, hkv, _TPB, rows) for x in (hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v)]
@@ -548,7 +467,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         codes_v = jnp.pad(codes_v, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows)))
         meta = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows))) for x in meta]
     if target_programs is None:
-        target_programs = 512 if d <= 128 else 1024
+        target_programs = 256 if d <= 128 else 1024
     hist_rows = max(rows, _ROWS)
     tiles = -(-hist_rows // _ROWS)
     split_rows = _ROWS * -(-tiles // max(1, min(tiles, -(-target_programs // (b * hkv)))))
@@ -580,7 +499,8 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
     o_t, lse2 = kernel(lengths.astype(jnp.int32), q_blocks, qcol, codes_k, codes_v, *meta)
-    # The bf16 sink and recent ring, and the merge of every (split, column block) partial.
-    o, lse = decode_finish(q_nat, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, g=g, cols=cols,
-                           sink=sink, window=window, interpret=interpret)
+    # The bf16 sink and recent ring, the merge of every (split, column block) partial, and
+    # the back-rotation.
+    o, lse = decode_finish(q_cols, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, g=g, cols=cols,
+                           sink=sink, window=window, output_rot=output_rot, interpret=interpret)
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)

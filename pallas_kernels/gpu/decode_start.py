@@ -1,0 +1,113 @@
+"""The start of a Mosaic GPU split decode: every query layout the kernel's MMAs need, in one kernel.
+
+Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
+
+One program per (batch row, KV head) rotates its g queries, folds in the softmax scale and
+log2 e (every score of the decode is in base 2), and lays them out for `mixed_attention_mgpu`:
+the int8 q_hi / q_lo blocks and q_step / Σq tiles of the history's int8 MMAs, and the
+queries themselves in f32 for the bf16 sink and ring of `decode_finish`.
+
+Precision: the rotation is three bf16 MMAs on the GPU (~17 bits) and exact f32 in interpret
+mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from oscar_jax.pallas_kernels import layout
+
+N = 8  # query columns of the history kernel's MMAs (and of every partial)
+TILE_ROWS = 64  # rows of the history kernel's [64, 8] score tiles (qcol repeats over them)
+Q_LO = 256.0  # q ≈ q_step * (256 q_hi + q_lo)
+_Q_PEAK = 127.0  # q / unit in [-127, 127]
+LOG2E = 1.4426950408889634
+
+
+def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q f32 [..., D] (a row or a chunk of one) and peak f32 [...] (max |q| over the whole
+    row) -> (int8 q_hi, int8 q_lo [..., D], q_step f32 [...]) with q ≈ q_step * (256 q_hi +
+    q_lo): |error| <= q_step / 2 (+ a clipped q_lo), about 16 bits relative to the peak."""
+    unit = jnp.where(peak > 0, peak / _Q_PEAK, 1.0)
+    x = q / unit[..., None]
+    hi = layout.round_to_int(x)
+    lo = jnp.clip(layout.round_to_int((x - hi.astype(jnp.float32)) * Q_LO), -127, 127)
+    return hi.astype(jnp.int8), lo.astype(jnp.int8), unit / Q_LO
+
+
+def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpret: bool):
+    """One (batch row, KV head) of `decode_start`."""
+    rot_ref, qb_ref, qcol_ref, qc_ref = refs if rotate else (None, *refs)
+    b, h = pl.program_id(0), pl.program_id(1)
+    d, packed = q_ref.shape[-1], N // cols
+    # Row c of a [16, .] tile (a dot's least M) is column c of the N = 8 query columns; rows
+    # 8-15 repeat row 7, so that every store can go unmasked (the copies write the same values).
+    c = jnp.minimum(jnp.arange(2 * N), N - 1)
+    use = c % cols < g  # column c takes query c % cols of column block c // cols (c < g: query c)
+    heads = (h * g + jnp.minimum(c % cols, g - 1))[:, None]
+    cw = min(d, 64)  # rotated channels per chunk ([D, 64] of the rotation per product)
+    chunks = [j * cw + jnp.arange(cw) for j in range(d // cw)]
+    # The rotation: three bf16 MMAs per product on the GPU (~17 bits, finer than the ~16 of
+    # the q_hi/q_lo split; six, for ~f32, took 10.3 against ~5 us per call with TF32, which is
+    # too coarse), exact f32 in interpret mode.
+    if rotate:
+        precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+        x = plgpu.load(q_ref.at[b, heads, jnp.arange(d)[None, :]], mask=use[:, None], other=0.0)
+        xs = [jnp.dot(x.astype(jnp.float32), rot_ref[h, :, pl.ds(j * cw, cw)], precision=precision)
+              for j in range(d // cw)]
+    else:
+        xs = [plgpu.load(q_ref.at[b, heads, ch[None, :]], mask=use[:, None], other=0.0).astype(jnp.float32)
+              for ch in chunks]
+    xs = [x * (scale * LOG2E) for x in xs]
+    tile_rows = c[:, None]
+    peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in xs])
+    for ch, x in zip(chunks, xs):
+        q_hi, q_lo, q_step = split_query(x, peak)
+        for k, part in enumerate((q_hi, q_lo)):
+            for j in range(packed):  # column block j: zeros outside it
+                plgpu.store(qb_ref.at[b, h, j, k * N + tile_rows, ch[None, :]],
+                            jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
+        plgpu.store(qc_ref.at[b, h, tile_rows, ch[None, :]], x)
+    q_sum = sum(jnp.sum(x, axis=1) for x in xs)
+    rows = jnp.arange(TILE_ROWS)[:, None]
+    for k, vec in enumerate((q_step, q_sum)):  # the same in every row of the [64, 8] tile
+        plgpu.store(qcol_ref.at[b, h, k, rows, tile_rows.T], jnp.broadcast_to(vec[None, :], (TILE_ROWS, 2 * N)))
+
+
+def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int, interpret: bool = False):
+    """q [B, Hq, D] (model basis, or rotated when query_rot is None); query_rot f32
+    [Hkv, D, D] or None; packed: the history kernel's token slices per score tile.
+
+    Returns, per (batch row, KV head), in one Triton kernel, all in base 2 (log2 e and the
+    softmax scale folded into the rotated queries); column c of the N = 8 query columns is
+    query c % (8 / P), so columns 0..g-1 are queries 0..g-1:
+      q_blocks int8 [B, Hkv, P, 16, D]: block j holds q_hi in rows 0..7 and q_lo in rows
+        8..15 for column block j (zeros elsewhere; padding columns are 0);
+      qcol f32 [B, Hkv, 2, 64, 8]: q_step and Σq of each column, repeated over 64 rows;
+      q_cols f32 [B, Hkv, 8, D]: the columns' queries themselves (for the bf16 sink and
+        ring in `decode_finish`).
+    """
+    b, hq, d = q.shape
+    g, cols = hq // kv_heads, N // packed
+    rotate = query_rot is not None
+    inputs = (q, query_rot.astype(jnp.float32)) if rotate else (q,)
+    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, packed, 2 * N, d), jnp.int8),
+                 jax.ShapeDtypeStruct((b, kv_heads, 2, TILE_ROWS, N), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv_heads, N, d), jnp.float32)]
+    return pl.pallas_call(
+        functools.partial(_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, interpret=interpret),
+        grid=(b, kv_heads),
+        in_specs=[full(x.shape) for x in inputs],
+        out_specs=[full(o.shape) for o in out_shape],
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="oscar_decode_start",
+    )(*inputs)
