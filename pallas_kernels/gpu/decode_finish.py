@@ -8,9 +8,9 @@ partials: o^T [D, 8] normalised and its log-sum-exp in base 2, column c for quer
 (batch row, KV head, block of 64 output channels) attends the g queries to the bf16 sink and
 recent ring (scores over all D, values over the channels it merges), merges the history
 partials elementwise in f32 (pass 1: each query's largest lse; pass 2: the weighted sum of
-the [D, 16] partial tiles; an FMA dot over all 16 query rows took half of the kernel's
-instructions on the H200), merges the two, and, given the output rotation, rotates its block
-of the result back (rows of R times o_rot; it then merges all D). All scores are in base 2
+the [D, 16] partial tiles, several per step; an FMA dot over all 16 query rows took half of
+the kernel's instructions on the H200), merges the two, and, given the output rotation,
+rotates its block of the result back (rows of R times o_rot; it then merges all D). All scores are in base 2
 (log2 e is folded into the queries); the returned lse is in the natural base.
 
 Precision: q and p enter the bf16 MMAs as two bf16 parts each (hi + lo, ~16 bits); the merge
@@ -36,6 +36,7 @@ from .mixed_attention import f32_dot
 _LN2 = math.log(2.0)
 _D_BLOCK = 64  # output channels per program (scores still take all D)
 _Q = 16  # query columns of every tile: the partials' 8, padded to the least dot N
+_CHUNK_ELEMENTS = 8192  # f32 elements of partials merged per step ([chunk, D_merged, 16])
 
 
 def _dense_block(d: int) -> int:
@@ -122,15 +123,25 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
     top = finite(jnp.max(jnp.where(same, col_top[None, :], -jnp.inf), axis=1))
     top_q = finite(jnp.max(jnp.where(owns, col_top[:, None], -jnp.inf), axis=0))
 
-    # Pass 2: acc[:, p] = sum over partials of 2^(lse - top) o (elementwise, f32).
+    # Pass 2: acc[:, p] = sum over partials of 2^(lse - top) o (elementwise, f32), `chunk`
+    # partials ([chunk, D_merged, 16]) per step.
+    chunk = min(_pow2(splits), max(1, _CHUNK_ELEMENTS // (mcol.shape[0] * _Q)))
+    ks = jnp.arange(chunk)
+
     def merge(i, carry):
         acc, l = carry
-        w = jnp.exp2(plgpu.load(lse_ref.at[b, h, i, jnp.minimum(c, 7)], mask=real, other=-jnp.inf) - top)
-        o = plgpu.load(ot_ref.at[b, h, i, mcol[:, None], jnp.minimum(c, 7)[None, :]], mask=real[None, :], other=0.0)
-        return acc + o * w[None, :], l + w
+        s_idx = i * chunk + ks
+        ok = s_idx < splits
+        s_safe = jnp.minimum(s_idx, splits - 1)
+        lse_k = plgpu.load(lse_ref.at[b, h, s_safe[:, None], jnp.minimum(c, 7)[None, :]],
+                           mask=ok[:, None] & real[None, :], other=-jnp.inf)  # [chunk, 16]
+        w = jnp.exp2(lse_k - top[None, :])
+        o = plgpu.load(ot_ref.at[b, h, s_safe[:, None, None], mcol[None, :, None], jnp.minimum(c, 7)[None, None, :]],
+                       mask=ok[:, None, None] & real[None, None, :], other=0.0)  # [chunk, D_merged, 16]
+        return acc + jnp.sum(o * w[:, None, :], axis=0), l + jnp.sum(w, axis=0)
 
-    acc_h, l_col = lax.fori_loop(0, splits, merge, (jnp.zeros((mcol.shape[0], _Q), jnp.float32),
-                                                    jnp.zeros((_Q,), jnp.float32)))
+    acc_h, l_col = lax.fori_loop(0, -(-splits // chunk), merge, (jnp.zeros((mcol.shape[0], _Q), jnp.float32),
+                                                                 jnp.zeros((_Q,), jnp.float32)))
     hi = lax.Precision.HIGHEST
     o_h = lax.dot_general(acc_h, owns.astype(jnp.float32), (((1,), (0,)), ((), ())), precision=hi)  # to queries
     l_h = jnp.sum(jnp.where(owns, l_col[:, None], 0.0), axis=0)

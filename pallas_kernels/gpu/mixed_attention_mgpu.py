@@ -500,7 +500,13 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     )
     o_t, lse2 = kernel(lengths.astype(jnp.int32), q_blocks, qcol, codes_k, codes_v, *meta)
     # The bf16 sink and recent ring, the merge of every (split, column block) partial, and
-    # the back-rotation.
+    # the back-rotation: fused at D <= 128; at D = 256 a fused rotation makes each of
+    # decode_finish's channel blocks merge all 256 channels of 128 splits, so XLA rotates
+    # there (Gemma-3 B8 32K on the H200: 0.110 ms so, 0.162 fused with a merge of one split
+    # per step; bench/results/kernels_session8_h200.json, kernels_h200.json).
+    fused_rot = output_rot if d <= 128 else None
     o, lse = decode_finish(q_cols, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, g=g, cols=cols,
-                           sink=sink, window=window, output_rot=output_rot, interpret=interpret)
+                           sink=sink, window=window, output_rot=fused_rot, interpret=interpret)
+    if output_rot is not None and fused_rot is None:
+        o = jnp.einsum("bhge,hde->bhgd", o, output_rot, precision=lax.Precision.HIGHEST)
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
