@@ -326,8 +326,8 @@ def test_mgpu_attention_matches_reference(case, pattern):
 
 @pytest.mark.parametrize("sink", [64, 0])
 def test_mgpu_sink_and_ring_match_reference(sink):
-    """A production-size ring (192: decode_finish's bf16 steps at full size, twice), with and
-    without a sink, lengths on every sink / ring boundary."""
+    """A ring of 192 (decode_finish's bf16 blocks of 128: one whole, one half), with and
+    without a sink; lengths inside the sink, inside the ring, on S0 + W and full."""
     spec = _spec(64, 64, "uniform", "bfloat16", sink=sink, window=192, hist=256)
     rng = np.random.default_rng([sink, 5])
     lengths = np.array([1, max(sink, 1) + 70, sink + 192, spec.max_len], np.int32)
@@ -345,14 +345,18 @@ def test_mgpu_two_tma_buffers_match_reference():
                      rotates=False)
 
 
-@pytest.mark.parametrize("d,g,cols,splits,rotate", [(128, 3, 4, 5, True), (256, 1, 1, 19, False),
-                                                   (64, 8, 8, 2, True)])
-def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate):
+FINISH_CASES = [(128, 3, 4, 5, True), (256, 4, 8, 19, False), (64, 2, 2, 6, True)]  # cols as slices_per_tile gives
+
+
+@pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
+def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=True):
     """decode_finish against an XLA oracle: the bf16 sink + ring attention (ring positions
     from `cache.ring_positions`) and a log-sum-exp over every partial column c % cols == i,
     with empty (-inf) partials and rows whose history or ring is empty, all in base 2; then
-    o_rot · R^T per KV head when the output rotation is given (to f32 precision). The ring of
-    192 takes several sink/ring steps at every D. q has 8 rows, as the Mosaic GPU kernel
+    o_rot · R^T per KV head when the output rotation is given (to 1e-4: compiled, finer than
+    a TF32 rotation's ~5e-4). The ring of 192 takes several sink/ring steps at every D;
+    the partials several merge steps with a ragged last one. Query 0's lses lie 200 above the others,
+    so a global rather than per-query max underflows. q has 8 rows, as the Mosaic GPU kernel
     passes it: rows past g are ignored."""
     rng = np.random.default_rng([d, g, splits])
     b, hkv, sink, window = 4, 2, 8, 192
@@ -361,6 +365,7 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate):
     q = f32(b, hkv, 8, d) * 0.3
     o_t = f32(b, hkv, splits, d, 8)
     lse2 = np.asarray(rng.standard_normal((b, hkv, splits, 8)) * 3, np.float32)
+    lse2 += 200.0 * (np.arange(8) % cols == 0)  # query 0 far above the others (2^-200: 0 in f32)
     lse2[0] = -np.inf  # row 0: no history at all
     lse2[:, :, 0, :4] = -np.inf  # some empty partials
     bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
@@ -368,7 +373,7 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate):
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
     o, lse = decode_finish.decode_finish(q, o_t, jnp.asarray(lse2), sink_k, sink_v, recent_k, recent_v,
                                          jnp.asarray(lengths), cols=cols, sink=sink, window=window, g=g,
-                                         output_rot=rot, interpret=True)
+                                         output_rot=rot, interpret=interpret)
     assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g)
 
     n = jnp.asarray(lengths)
@@ -533,6 +538,13 @@ def test_mgpu_attention_on_gpu(case):
 @pytest.mark.parametrize("d,g,rotate", QUERY_LAYOUT_CASES)
 def test_mgpu_query_layout_on_gpu(d, g, rotate):
     test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=False)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
+def test_decode_finish_on_gpu(d, g, cols, splits, rotate):
+    test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=False)
 
 
 @pytest.mark.gpu

@@ -10,8 +10,9 @@ recent ring (scores over all D, values over the channels it merges), merges the 
 partials elementwise in f32 (pass 1: each query's largest lse; pass 2: the weighted sum of
 the [D, 16] partial tiles, several per step; an FMA dot over all 16 query rows took half of
 the kernel's instructions on the H200), merges the two, and, given the output rotation,
-rotates its block of the result back (rows of R times o_rot; it then merges all D). All scores are in base 2
-(log2 e is folded into the queries); the returned lse is in the natural base.
+rotates its block of the result back (rows of the rotation times o_rot; it then merges all
+D). All scores are in base 2 (log2 e is folded into the queries); the returned lse is in the
+natural base.
 
 Precision: q and p enter the bf16 MMAs as two bf16 parts each (hi + lo, ~16 bits); the merge
 is exact f32; the rotation is three bf16 MMAs on the GPU (~17 bits) and exact f32 in
@@ -120,8 +121,8 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
     lses = plgpu.load(lse_ref.at[b, h, jnp.minimum(s_ids, splits - 1)[:, None], jnp.minimum(c, 7)[None, :]],
                       mask=(s_ids < splits)[:, None] & real[None, :], other=-jnp.inf)  # [S_pad, 16]
     col_top = jnp.max(lses, axis=0)
-    top = finite(jnp.max(jnp.where(same, col_top[None, :], -jnp.inf), axis=1))
-    top_q = finite(jnp.max(jnp.where(owns, col_top[:, None], -jnp.inf), axis=0))
+    top = finite(jnp.max(jnp.where(same, col_top[None, :], -jnp.inf), axis=1))  # per partial column
+    top_q = finite(jnp.max(jnp.where(owns, col_top[:, None], -jnp.inf), axis=0))  # per query column
 
     # Pass 2: acc[:, p] = sum over partials of 2^(lse - top) o (elementwise, f32), `chunk`
     # partials ([chunk, D_merged, 16]) per step.
@@ -148,10 +149,10 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
 
     # The two merged: history (scale 2^top_q) and bf16 (scale 2^m_d), per query column.
     m_h = jnp.where(l_h > 0, top_q, -jnp.inf)
-    m_dd = jnp.where(l_d > 0, finite(m_d), -jnp.inf)
-    top_all = finite(jnp.maximum(m_h, m_dd))
+    m_dense = jnp.where(l_d > 0, finite(m_d), -jnp.inf)
+    top_all = finite(jnp.maximum(m_h, m_dense))
     w_h = jnp.where(l_h > 0, jnp.exp2(m_h - top_all), 0.0)
-    w_d = jnp.where(l_d > 0, jnp.exp2(m_dd - top_all), 0.0)
+    w_d = jnp.where(l_d > 0, jnp.exp2(m_dense - top_all), 0.0)
     total = w_h * l_h + w_d * l_d
     seen = total > 0
     o = (o_h * w_h[None, :] + acc_d * w_d[None, :]) / jnp.where(seen, total, 1.0)[None, :]  # [D_merged, 16]
@@ -169,17 +170,18 @@ def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, 
                   window: int, g: int, output_rot=None, interpret: bool = False):
     """Attend the bf16 segments, merge them with the history partials, rotate back.
 
-    q: f32 [B, Hkv, R, D] (softmax scale and log2 e folded in: base 2), of which rows
+    q: f32 [B, Hkv, Q, D] (softmax scale and log2 e folded in: base 2), of which rows
     0..g-1 are the g queries (rows past g are ignored); o_t: f32 [B, Hkv, S, D, 8]
     normalised history partials, column c for query c % cols; lse2: f32 [B, Hkv, S, 8] their
     log-sum-exp in base 2 (-inf: nothing seen); sink_k/v bf16 [B, Hkv, S0, D]; recent_k/v
     bf16 [B, Hkv, W, D]; lengths int32 [B]; output_rot: f32 [Hkv, D, D] or None (o = o_rot ·
-    output_rot[h]^T when given). Returns (o f32 [B, Hkv, g, D], lse f32 [B, Hkv, g], natural
+    output_rot[h]^T when given; each channel block then merges all D, which the Mosaic GPU
+    path does only at D <= 128). Returns (o f32 [B, Hkv, g, D], lse f32 [B, Hkv, g], natural
     base).
     """
-    b, hkv, rows, d = q.shape
+    b, hkv, q_rows, d = q.shape
     splits = o_t.shape[2]
-    if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= min(cols, rows) <= 8:
+    if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= min(cols, q_rows) <= 8:
         raise ValueError(f"o_t.shape={o_t.shape}, lse2.shape={lse2.shape}, g={g}, cols={cols}: expected "
                          f"[B={b}, Hkv={hkv}, S, D={d}, 8], [B, Hkv, S, 8] and g <= cols <= 8, g <= q.shape[2]")
     if output_rot is not None and output_rot.shape != (hkv, d, d):
