@@ -1,4 +1,4 @@
-"""The end of a Mosaic GPU split decode: the bf16 sink and ring, the merge of every partial and the output rotation, in one kernel.
+"""The end of a Mosaic GPU split decode: the bf16 sink and ring, the partials' merge, the back-rotation.
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from oscar_jax.pallas_kernels import layout
 
+from .decode_start import rotation_precision
 from .mixed_attention import f32_dot
 
 _LN2 = math.log(2.0)
@@ -70,13 +71,6 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
     c = jnp.arange(_Q)
     queries = jnp.minimum(c, g - 1)
 
-    def f32_dot_t(x, y):
-        """x [K, M] times y [K, N] bf16 -> x^T y f32 [M, N] (see `f32_dot`)."""
-        if interpret:
-            x, y = x.astype(jnp.float32), y.astype(jnp.float32)
-        return lax.dot_general(x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-                               precision=lax.Precision.HIGHEST if interpret else None)
-
     # bf16 segments: sink (positions 0..S0-1) and the recent ring (slot j holds the newest
     # position p < n with (p - S0) % W == j: layout.ring_position), as [tokens, 16] score tiles.
     q_hi, q_lo = _split_bf16(plgpu.load(q_ref.at[b, h, queries[:, None], jnp.arange(d)[None, :]]))
@@ -100,7 +94,7 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
             alpha = jnp.exp2(m - m_use)
             p = jnp.exp2(s - m_use[None, :])
             v = plgpu.load(v_ref.at[b, h, rows, mcol[None, :]], mask=ok[:, None], other=0.0)
-            pv = sum(f32_dot_t(v, part) for part in _split_bf16(p))  # [D_merged, 16]
+            pv = sum(f32_dot(v, part, 0, interpret, contract_a=0) for part in _split_bf16(p))  # [D_merged, 16]
             return m_new, l * alpha + jnp.sum(p, axis=0), acc * alpha[None, :] + pv
 
         return lax.fori_loop(0, -(-size // block), step, carry)
@@ -157,9 +151,8 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
     seen = total > 0
     o = (o_h * w_h[None, :] + acc_d * w_d[None, :]) / jnp.where(seen, total, 1.0)[None, :]  # [D_merged, 16]
     if rotate:  # o_model = R o_rot: rows out_cols of R
-        precision = hi if interpret else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
         r_rows = plgpu.load(rot_ref.at[h, out_cols[:, None], mcol[None, :]])  # [DB, D]
-        o = lax.dot_general(r_rows, o, (((1,), (0,)), ((), ())), precision=precision,
+        o = lax.dot_general(r_rows, o, (((1,), (0,)), ((), ())), precision=rotation_precision(interpret),
                             preferred_element_type=jnp.float32)
     plgpu.store(o_ref.at[b, h, queries[None, :], out_cols[:, None]], o)
     lse = jnp.where(seen, (top_all + jnp.log2(jnp.where(seen, total, 1.0))) * _LN2, -jnp.inf)

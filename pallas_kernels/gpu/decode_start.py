@@ -30,6 +30,13 @@ _Q_PEAK = 127.0  # q / unit in [-127, 127]
 LOG2E = 1.4426950408889634
 
 
+def rotation_precision(interpret: bool):
+    """Precision of the in-kernel rotations: three bf16 MMAs per product on the GPU (~17 bits,
+    finer than the ~16 of the q_hi/q_lo split; six, for ~f32, took 10.3 against ~5 us per call
+    with TF32, which is too coarse), exact f32 in interpret mode."""
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+
+
 def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q f32 [..., D] (a row or a chunk of one) and peak f32 [...] (max |q| over the whole
     row) -> (int8 q_hi, int8 q_lo [..., D], q_step f32 [...]) with q ≈ q_step * (256 q_hi +
@@ -53,13 +60,9 @@ def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpr
     heads = (h * g + jnp.minimum(c % cols, g - 1))[:, None]
     cw = min(d, 64)  # rotated channels per chunk ([D, 64] of the rotation per product)
     chunks = [j * cw + jnp.arange(cw) for j in range(d // cw)]
-    # The rotation: three bf16 MMAs per product on the GPU (~17 bits, finer than the ~16 of
-    # the q_hi/q_lo split; six, for ~f32, took 10.3 against ~5 us per call with TF32, which is
-    # too coarse), exact f32 in interpret mode.
     if rotate:
-        precision = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
         x = plgpu.load(q_ref.at[b, heads, jnp.arange(d)[None, :]], mask=use[:, None], other=0.0)
-        xs = [jnp.dot(x.astype(jnp.float32), rot_ref[h, :, pl.ds(j * cw, cw)], precision=precision)
+        xs = [jnp.dot(x.astype(jnp.float32), rot_ref[h, :, pl.ds(j * cw, cw)], precision=rotation_precision(interpret))
               for j in range(d // cw)]
     else:
         xs = [plgpu.load(q_ref.at[b, heads, ch[None, :]], mask=use[:, None], other=0.0).astype(jnp.float32)
