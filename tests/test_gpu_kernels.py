@@ -324,13 +324,14 @@ def test_mgpu_attention_matches_reference(case, pattern):
                      rotates=True)
 
 
-@pytest.mark.parametrize("sink", [64, 0])
-def test_mgpu_sink_and_ring_match_reference(sink):
-    """A ring of 192 (decode_finish's bf16 blocks of 128: one whole, one half), with and
-    without a sink; lengths inside the sink, inside the ring, on S0 + W and full."""
+def test_mgpu_sink_and_ring_match_reference():
+    """A production-size sink and a ring of 192 (decode_finish's bf16 blocks of 128: one
+    whole, one half); lengths inside the sink, inside the ring, on S0 + W and full. (No
+    sink: `test_decode_finish_matches_a_direct_merge`.)"""
+    sink = 64
     spec = _spec(64, 64, "uniform", "bfloat16", sink=sink, window=192, hist=256)
     rng = np.random.default_rng([sink, 5])
-    lengths = np.array([1, max(sink, 1) + 70, sink + 192, spec.max_len], np.int32)
+    lengths = np.array([1, sink + 70, sink + 192, spec.max_len], np.int32)
     _check_attention(rng, spec, 3, 1, lengths, kernel=mixed_attention_mgpu.mixed_attention, rotates=True)
 
 
@@ -345,11 +346,13 @@ def test_mgpu_two_tma_buffers_match_reference():
                      rotates=False)
 
 
-FINISH_CASES = [(128, 3, 4, 5, True), (256, 4, 8, 19, False), (64, 2, 2, 6, True)]  # cols as slices_per_tile gives
+# (D, g, cols as slices_per_tile gives, splits, rotate, sink): sink 0 takes the ring as the
+# stand-in for the unread sink operands.
+FINISH_CASES = [(128, 3, 4, 5, True, 8), (256, 4, 8, 19, False, 8), (64, 2, 2, 6, True, 0)]
 
 
-@pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
-def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=True):
+@pytest.mark.parametrize("d,g,cols,splits,rotate,sink", FINISH_CASES)
+def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, sink, interpret=True):
     """decode_finish against an XLA oracle: the bf16 sink + ring attention (ring positions
     from `cache.ring_positions`) and a log-sum-exp over every partial column c % cols == i,
     with empty (-inf) partials and rows whose history or ring is empty, all in base 2; then
@@ -359,7 +362,7 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     so a global rather than per-query max underflows. q has 8 rows, as the Mosaic GPU kernel
     passes it: rows past g are ignored."""
     rng = np.random.default_rng([d, g, splits])
-    b, hkv, sink, window = 4, 2, 8, 192
+    b, hkv, window = 4, 2, 192
     lengths = np.array([3, sink + 10, sink + window + 50, 1000], np.int32)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     q = f32(b, hkv, 8, d) * 0.3
@@ -542,9 +545,9 @@ def test_mgpu_query_layout_on_gpu(d, g, rotate):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
-def test_decode_finish_on_gpu(d, g, cols, splits, rotate):
-    test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=False)
+@pytest.mark.parametrize("d,g,cols,splits,rotate,sink", FINISH_CASES)
+def test_decode_finish_on_gpu(d, g, cols, splits, rotate, sink):
+    test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, sink, interpret=False)
 
 
 @pytest.mark.gpu
