@@ -39,6 +39,7 @@ _LN2 = math.log(2.0)
 _D_BLOCK = 64  # output channels per program (scores still take all D)
 _Q = 16  # query columns of every tile: the partials' 8, padded to the least dot N
 _CHUNK_ELEMENTS = 8192  # f32 elements of partials merged per step ([chunk, D_merged, 16])
+_NUM_WARPS = 4
 
 
 def _dense_block(d: int) -> int:
@@ -76,8 +77,9 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
     q_hi, q_lo = _split_bf16(plgpu.load(q_ref.at[b, h, queries[:, None], jnp.arange(d)[None, :]]))
 
     def segment(k_ref, v_ref, size, positions, carry):
-        """Online softmax over one bf16 segment in blocks of `_dense_block(d)` tokens."""
-        block = _dense_block(d)
+        """Online softmax over one bf16 segment in blocks of `_dense_block(d)` tokens (fewer
+        for a shorter segment, but at least 16: the least M of a Triton dot)."""
+        block = min(_dense_block(d), max(16, _pow2(size)))
 
         def step(i, carry):
             m, l, acc = carry
@@ -105,22 +107,23 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
         dense = segment(sk_ref, sv_ref, sink, lambda j: j, dense)
     m_d, l_d, acc_d = segment(rk_ref, rv_ref, window, lambda j: layout.ring_position(n, j, sink, window), dense)
 
-    # History partials. Partial column p (0..7, padded to 16) belongs to query p % cols.
-    real = c < 8
+    # History partials. Partial column p (0..7) belongs to query p % cols.
+    real, p8 = c < 8, jnp.arange(8)
     owns = real[:, None] & (c[:, None] % cols == queries[None, :])  # [16 partial columns, 16 query columns]
-    same = real[:, None] & real[None, :] & (c[:, None] % cols == c[None, :] % cols)
+    owns8 = p8[:, None] % cols == queries[None, :]  # its 8 real rows
+    same8 = real[None, :] & (p8[:, None] % cols == c[None, :] % cols)  # [8, 16]: partial columns of one query
     finite = lambda x: jnp.where(x == -jnp.inf, 0.0, x)
     # Pass 1: each query's largest log-sum-exp, per partial column and per query column.
     s_ids = jnp.arange(_pow2(splits))
     lses = plgpu.load(lse_ref.at[b, h, jnp.minimum(s_ids, splits - 1)[:, None], jnp.minimum(c, 7)[None, :]],
                       mask=(s_ids < splits)[:, None] & real[None, :], other=-jnp.inf)  # [S_pad, 16]
     col_top = jnp.max(lses, axis=0)
-    top = finite(jnp.max(jnp.where(same, col_top[None, :], -jnp.inf), axis=1))  # per partial column
+    top8 = finite(jnp.max(jnp.where(same8, col_top[None, :], -jnp.inf), axis=1))  # per partial column
     top_q = finite(jnp.max(jnp.where(owns, col_top[:, None], -jnp.inf), axis=0))  # per query column
 
     # Pass 2: acc[:, p] = sum over partials of 2^(lse - top) o (elementwise, f32), `chunk`
-    # partials ([chunk, D_merged, 16]) per step.
-    chunk = min(_pow2(splits), max(1, _CHUNK_ELEMENTS // (mcol.shape[0] * _Q)))
+    # partials ([chunk, D_merged, 8], whole 32-byte rows) per step.
+    chunk = min(_pow2(splits), max(1, _CHUNK_ELEMENTS // (mcol.shape[0] * 8)))
     ks = jnp.arange(chunk)
 
     def merge(i, carry):
@@ -128,18 +131,17 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
         s_idx = i * chunk + ks
         ok = s_idx < splits
         s_safe = jnp.minimum(s_idx, splits - 1)
-        lse_k = plgpu.load(lse_ref.at[b, h, s_safe[:, None], jnp.minimum(c, 7)[None, :]],
-                           mask=ok[:, None] & real[None, :], other=-jnp.inf)  # [chunk, 16]
-        w = jnp.exp2(lse_k - top[None, :])
-        o = plgpu.load(ot_ref.at[b, h, s_safe[:, None, None], mcol[None, :, None], jnp.minimum(c, 7)[None, None, :]],
-                       mask=ok[:, None, None] & real[None, None, :], other=0.0)  # [chunk, D_merged, 16]
+        lse_k = plgpu.load(lse_ref.at[b, h, s_safe[:, None], p8[None, :]], mask=ok[:, None], other=-jnp.inf)
+        w = jnp.exp2(lse_k - top8[None, :])  # [chunk, 8]
+        o = plgpu.load(ot_ref.at[b, h, s_safe[:, None, None], mcol[None, :, None], p8[None, None, :]],
+                       mask=ok[:, None, None], other=0.0)  # [chunk, D_merged, 8]
         return acc + jnp.sum(o * w[:, None, :], axis=0), l + jnp.sum(w, axis=0)
 
-    acc_h, l_col = lax.fori_loop(0, -(-splits // chunk), merge, (jnp.zeros((mcol.shape[0], _Q), jnp.float32),
-                                                                 jnp.zeros((_Q,), jnp.float32)))
-    hi = lax.Precision.HIGHEST
-    o_h = lax.dot_general(acc_h, owns.astype(jnp.float32), (((1,), (0,)), ((), ())), precision=hi)  # to queries
-    l_h = jnp.sum(jnp.where(owns, l_col[:, None], 0.0), axis=0)
+    acc_h, l_col = lax.fori_loop(0, -(-splits // chunk), merge, (jnp.zeros((mcol.shape[0], 8), jnp.float32),
+                                                                 jnp.zeros((8,), jnp.float32)))
+    sel = owns8.astype(jnp.float32)
+    o_h = jnp.sum(acc_h[:, :, None] * sel[None, :, :], axis=1)  # [D_merged, 16 query columns], exact
+    l_h = jnp.sum(l_col[:, None] * sel, axis=0)
 
     # The two merged: history (scale 2^top_q) and bf16 (scale 2^m_d), per query column.
     m_h = jnp.where(l_h > 0, top_q, -jnp.inf)
@@ -192,7 +194,7 @@ def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, 
         in_specs=[full(x) for x in arrays],
         out_specs=[full(o) for o in out_shape],
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=2),
         interpret=interpret,
         name="oscar_decode_finish",
     )(*arrays)

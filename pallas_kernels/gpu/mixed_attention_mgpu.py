@@ -78,6 +78,7 @@ _W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
 _W_LO = 254.0
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fewer shifts)
+_REDUCTION_SCRATCH = 256  # f32 per warpgroup: a cross-warp reduction of [R, 8] (4 warps x 32 lanes x 2)
 
 
 def _int8_tiles(minor: int) -> tuple:
@@ -209,12 +210,39 @@ def _load_metadata(meta, t: int, packed: int) -> list:
     return load(meta)
 
 
+def _reduce_rows(x: jax.Array, kind: str, scratch, *, interpret: bool) -> jax.Array:
+    """f32 [R, 8] (WGMMA layout) -> [8]: max or sum over rows, i.e. across this warpgroup's
+    warps, through its own shared-memory scratch f32 [256] (Pallas's reduction scratch is one
+    buffer for the whole block: warpgroups reducing at once would race on it)."""
+    if interpret:
+        return x.max(axis=0) if kind == "max" else x.sum(axis=0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((x.shape[1],), jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA.reduce(0)))
+    def reduce(ctx, array, ref):
+        del ctx
+        return array.reduce("max" if kind == "max" else "add", 0, scratch=ref)
+
+    return reduce(x, scratch)
+
+
 def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             o_ref, lse_ref, *, q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem,
-            lse_smem, q_bar, tile_bars, stage_k=None, stage_v=None,
+            lse_smem, red_smem, q_bar, tile_bars, stage_k=None, stage_v=None,
             split_rows: int, hist_rows: int, hist_tokens: int, head_dim: int, packed: int, buffers: int,
-            dense: int, interpret: bool):
-    b, h, sp = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("split")
+            dense: int, kv_heads: int, splits: int, programs: int, warpgroups: int, interpret: bool):
+    # Program (row b, KV head h, split sp) = warpgroup wg of block `block`; the last block's
+    # spare warpgroups repeat the last program (the same values, written twice).
+    wg = lax.axis_index("wg") if warpgroups > 1 else 0
+    program = jnp.minimum(lax.axis_index("block") * warpgroups + wg, programs - 1)
+    b, h, sp = program // (kv_heads * splits), program // splits % kv_heads, program % splits
+    q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem = (
+        ref.at[wg] for ref in (q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem))
+    if interpret:
+        stage_k, stage_v = stage_k.at[wg], stage_v.at[wg]
+    q_bar, step_bars = q_bar.at[wg], tile_bars
+    tile_bars = lambda slot: step_bars.at[wg * buffers + slot]  # this warpgroup's TMA barriers
     n_tiles = _TPB // packed  # score tiles per step; tile t holds slices t * packed + j
     n_hist = jnp.clip(n_ref[b] - dense, 0, hist_tokens)  # history tokens of this row (n_ref: lengths)
     valid_rows = (n_hist + _TPB - 1) // _TPB
@@ -222,9 +250,9 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     r_end = jnp.minimum(r_begin + split_rows, valid_rows)
     steps = (jnp.maximum(r_end - r_begin, 0) + _ROWS - 1) // _ROWS
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar.at[0])  # q_hi, q_lo
-    plgpu.copy_gmem_to_smem(qcol_ref.at[b, h], qcol_smem, q_bar.at[0])  # q_step, Σq tiles
-    plgpu.barrier_wait(q_bar.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)  # q_hi, q_lo
+    plgpu.copy_gmem_to_smem(qcol_ref.at[b, h], qcol_smem, q_bar)  # q_step, Σq tiles
+    plgpu.barrier_wait(q_bar)
     tile = (_ROWS, _N)
     wgmma_layout = plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)  # one value per token
@@ -241,6 +269,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             factor = jnp.where(col_block == j, 1.0 / _SLICE_SCALE[t * packed + j], factor)
         q_steps.append(q_step * factor)
     codes_layout = None if interpret else plgpu.Layout.WGMMA_8BIT
+    reduce_rows = functools.partial(_reduce_rows, scratch=red_smem, interpret=interpret)
 
     def by_block(vectors):
         """[64] per slice of a tile -> [64, 8]: column block j takes the vector of slice j."""
@@ -263,7 +292,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         sources += [ref.at[b, h, :, pl.ds(r0, _ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
         targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
         for src, dst in zip(sources, targets):
-            plgpu.copy_gmem_to_smem(src, dst, tile_bars.at[slot])  # one arrival per copy
+            plgpu.copy_gmem_to_smem(src, dst, tile_bars(slot))  # one arrival per copy
 
     for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
         pl.when(j < steps)(functools.partial(issue, j, j))
@@ -287,7 +316,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         pl.when(ahead < steps)(lambda: issue(ahead, lax.rem(ahead, buffers)))
 
         with jax.named_scope("tma_wait"):  # phases name the regions of a Mosaic GPU profile
-            plgpu.barrier_wait(tile_bars.at[slot])
+            plgpu.barrier_wait(tile_bars(slot))
         r_nominal, r0 = tile_start(i)
         packed_k = plgpu.load(ck_smem.at[slot], layout=codes_layout)  # [64, D]
 
@@ -300,7 +329,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
                                    for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
             else:
                 meta = [_load_metadata(meta_smem.at[slot], t, packed) for t in range(n_tiles)]
-            w_bound = functools.reduce(jnp.maximum, [mt[3] for mt in meta]).max(axis=0)
+            w_bound = reduce_rows(functools.reduce(jnp.maximum, [mt[3] for mt in meta]), "max")
             return packed_v, meta, w_bound
 
         def qk(*acc_refs):
@@ -326,7 +355,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
                     token = _TPB * (r0 + row_ids) + t * packed + col_block
                     sc = jnp.where(fresh & (token < n_hist), sc, -jnp.inf)
                 scores.append(sc)
-            m_new = jnp.maximum(m, functools.reduce(jnp.maximum, scores).max(axis=0))
+            m_new = jnp.maximum(m, reduce_rows(functools.reduce(jnp.maximum, scores), "max"))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if last else m_new  # finite if unmasked
             alpha = jnp.exp2(m - m_use)
             probs = [jnp.exp2(sc - by_col(m_use)) for sc in scores]
@@ -375,7 +404,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     carry = lax.fori_loop(0, steps - 1, functools.partial(step, last=False), init)
     acc, m, l_part, lo_part = lax.fori_loop(jnp.maximum(steps - 1, 0), steps,
                                             functools.partial(step, last=True), carry)
-    l, lo_acc = l_part.sum(axis=0), lo_part.sum(axis=0)
+    l, lo_acc = reduce_rows(l_part, "sum"), reduce_rows(lo_part, "sum")
     safe_l = jnp.where(l > 0, l, 1.0)
     o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
     lse_smem[...] = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)  # base 2
@@ -417,7 +446,8 @@ def device_supported() -> bool:
 def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
-                    interpret: bool = False, target_programs: int | None = None, buffers: int = 3,
+                    interpret: bool = False, target_programs: int | None = None, buffers: int | None = None,
+                    warpgroups: int | None = None,
                     query_rot: jax.Array | None = None, output_rot: jax.Array | None = None):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
     except that both rotations may be left to this kernel.
@@ -430,15 +460,18 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     [Hkv, D, D] or None (the output is rotated back, o = o_rot · output_rot[h]^T, by
     `decode_finish` at D <= 128 and by XLA at D = 256).
     Returns (o f32 [B, 1, Hq, D]: o_rot, or rotated back when output_rot is given; lse f32
-    [B, 1, Hq]). target_programs: history splits are chosen for about this many programs;
-    None: 256 at D <= 128 (one wave of 2 programs per SM on the H200; at B8 H32/8 the call took
-    0.0810 against 0.0868 ms with 512 at 32K and 0.2437 against 0.2478 ms at 128K, the
-    kernel 58.4 / 220.1 against 60.8 / 221.9 us and decode_finish, with half the partials to
-    merge, 16.1 against 19.4 us: bench/results/kernels_session8_h200.json run 3; the f32
-    outputs' relative error against attend(xla) 1.39e-4 / 1.28e-4 against 1.16e-4 / 1.05e-4,
-    longer splits summing more tokens per partial), 1024 at D = 256.
-    buffers: TMA pipeline depth (3 was faster than 2 at D = 128 in
-    each of three H200 runs).
+    [B, 1, Hq]).
+    warpgroups: programs per block, each warpgroup one program with its own buffers and
+    barriers. 3 puts 3 programs on an SM (ptxas then fits a thread into 168 registers, spilling
+    76 bytes, where 1 program per block took 213 and 2 programs per SM): at B8 H32/8 on the
+    H200 the kernel took 204.7 against 220.9 us at 128K and 57.7 against 59.2 us at 32K
+    (bench/results/kernels_session9_h200.json runs 1-2). None: 3 at D <= 128, 1 at D = 256
+    (shared memory: 3 x 118 KB).
+    target_programs: history splits are chosen for at most about this many programs (floor,
+    at least one split per row and head); None: 396 at D <= 128 (one wave of 3 per SM on the
+    H200's 132 SMs), 1024 at D = 256. buffers: TMA pipeline depth; None: 2 at D <= 128 (at
+    3 programs per SM 2 buffers were faster than 3: 204.7 against 208.1 us at 128K), 3 at
+    D = 256.
     """
     b, c, hq, d = q.shape
     hkv = sink_k.shape[1]
@@ -468,35 +501,42 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         codes_k = jnp.pad(codes_k, ((0, 0), (0, 0), (0, _ROWS - rows), (0, 0)))
         codes_v = jnp.pad(codes_v, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows)))
         meta = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows))) for x in meta]
-    if target_programs is None:
-        target_programs = 256 if d <= 128 else 1024
+    small = d <= 128
+    warpgroups = (3 if small else 1) if warpgroups is None else warpgroups
+    buffers = (2 if small else 3) if buffers is None else buffers
+    target_programs = (396 if small else 1024) if target_programs is None else target_programs
     hist_rows = max(rows, _ROWS)
     tiles = -(-hist_rows // _ROWS)
-    split_rows = _ROWS * -(-tiles // max(1, min(tiles, -(-target_programs // (b * hkv)))))
+    split_rows = _ROWS * -(-tiles // max(1, min(tiles, target_programs // (b * hkv))))
     num_splits = -(-hist_rows // split_rows)
+    programs = b * hkv * num_splits
 
+    wgs = warpgroups  # every buffer below is per warpgroup
     scratch = dict(
-        q_smem=plgpu.SMEM((packed, 2 * _N, d), jnp.int8, transforms=_int8_tiles(d)),  # blocks x [hi; lo]
-        qcol_smem=plgpu.SMEM((2, _ROWS, _N), jnp.float32),
-        ck_smem=plgpu.SMEM((buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
-        cv_smem=plgpu.SMEM((buffers, d, _ROWS), jnp.uint8, transforms=_int8_tiles(_ROWS)),
-        meta_smem=plgpu.SMEM((buffers, 4, _TPB, _ROWS), jnp.bfloat16),
-        w_smem=plgpu.SMEM((_TPB, 2 * _N, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS)),
-        o_smem=plgpu.SMEM((d, _N), jnp.float32),
-        lse_smem=plgpu.SMEM((_N,), jnp.float32),
-        q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
-        tile_bars=plgpu.Barrier(num_arrivals=_COPIES, num_barriers=buffers))
+        q_smem=plgpu.SMEM((wgs, packed, 2 * _N, d), jnp.int8, transforms=_int8_tiles(d)),  # blocks x [hi; lo]
+        qcol_smem=plgpu.SMEM((wgs, 2, _ROWS, _N), jnp.float32),
+        ck_smem=plgpu.SMEM((wgs, buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
+        cv_smem=plgpu.SMEM((wgs, buffers, d, _ROWS), jnp.uint8, transforms=_int8_tiles(_ROWS)),
+        meta_smem=plgpu.SMEM((wgs, buffers, 4, _TPB, _ROWS), jnp.bfloat16),
+        w_smem=plgpu.SMEM((wgs, _TPB, 2 * _N, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS)),
+        o_smem=plgpu.SMEM((wgs, d, _N), jnp.float32),
+        lse_smem=plgpu.SMEM((wgs, _N), jnp.float32),
+        red_smem=plgpu.SMEM((wgs, _REDUCTION_SCRATCH), jnp.float32),
+        q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
+        tile_bars=plgpu.Barrier(num_arrivals=_COPIES, num_barriers=wgs * buffers))
     if interpret:  # A operands staged in shared memory
-        scratch["stage_k"] = plgpu.SMEM((_TPB, _ROWS, d), jnp.int8, transforms=_int8_tiles(d))
-        scratch["stage_v"] = plgpu.SMEM((_TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
+        scratch["stage_k"] = plgpu.SMEM((wgs, _TPB, _ROWS, d), jnp.int8, transforms=_int8_tiles(d))
+        scratch["stage_v"] = plgpu.SMEM((wgs, _TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
     kernel = plgpu.kernel(
         functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, hist_tokens=rows * _TPB,
-                          head_dim=d, packed=packed, buffers=buffers, dense=sink + window, interpret=interpret),
+                          head_dim=d, packed=packed, buffers=buffers, dense=sink + window, kv_heads=hkv,
+                          splits=num_splits, programs=programs, warpgroups=wgs, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits, d, _N), jnp.float32),
                   jax.ShapeDtypeStruct((b, hkv, num_splits, _N), jnp.float32)],
         scratch_types=scratch,
-        grid=(b, hkv, num_splits),
-        grid_names=("b", "h", "split"),
+        grid=(-(-programs // wgs),),
+        grid_names=("block",),
+        **(dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
