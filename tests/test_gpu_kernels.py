@@ -149,7 +149,7 @@ def test_dispatch_refuses_unsupported_specs():
     with pytest.raises(ValueError, match="does not support"):
         attention.resolve("pallas", spec4, 1, 4)
     assert attention.resolve("auto", spec4, 1, 4, backend="gpu") == "xla"
-    assert attention.resolve("auto", _spec(64, 64, "uniform", "bfloat16"), 7, 4, backend="gpu") == "pallas"
+    assert attention.resolve("auto", _spec(64, 64, "uniform", "bfloat16"), 1, 4, backend="gpu") == "pallas"
     with pytest.raises(ValueError, match="group size"):
         cache_lib.write_prompt(cache_lib.OscarCache.init(spec_g8).layer(0),
                                jnp.ones((1, 4, 1, 64), jnp.bfloat16), jnp.ones((1, 4, 1, 64), jnp.bfloat16),
@@ -464,9 +464,9 @@ def test_mgpu_refuses_what_it_does_not_handle():
         attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, token_major, params)
 
 
-def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
-    """"auto" on a GPU: the Mosaic GPU kernel for decode at D = 64 and 128 (where it was
-    measured faster), the Triton kernel for extend (C > 1), g > 8, D = 256, or a GPU that is
+def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
+    """"auto" on a GPU: the Mosaic GPU kernel for decode at D = 128 (where it was measured
+    faster), the Triton kernel for extend (C > 1), g > 8, D = 64 and 256, or a GPU that is
     not sm_90."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1536)
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas_mosaic_gpu"
@@ -476,7 +476,8 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
     assert attention.resolve("auto", spec, 7, 4, backend="gpu") == "pallas"
     assert attention.resolve("auto", spec, 1, 16, backend="gpu") == "pallas"
     d64 = _spec(64, 64, "uniform", "bfloat16", hist=1536)
-    assert attention.resolve("auto", d64, 1, 3, backend="gpu") == "pallas_mosaic_gpu"
+    assert attention.resolve("auto", d64, 1, 3, backend="gpu") == "pallas"
+    assert attention.resolve("pallas_mosaic_gpu", d64, 1, 3) == "pallas_mosaic_gpu"
     with pytest.raises(ValueError, match="C=7 queries"):
         attention.resolve("pallas_mosaic_gpu", spec, 7, 4)
     monkeypatch.setattr(mixed_attention_mgpu, "device_supported", lambda: False)
