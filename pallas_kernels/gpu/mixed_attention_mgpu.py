@@ -78,6 +78,7 @@ _W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
 _W_LO = 254.0
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fewer shifts)
+_WAVE_OF_3 = 396  # programs in one wave of 3 per SM on the H200's 132 SMs
 _REDUCTION_SCRATCH = 256  # f32 per warpgroup: a cross-warp reduction of [R, 8] (4 warps x 32 lanes x 2)
 
 
@@ -464,14 +465,15 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     warpgroups: programs per block, each warpgroup one program with its own buffers and
     barriers. 3 puts 3 programs on an SM (ptxas then fits a thread into 168 registers, spilling
     76 bytes, where 1 program per block took 213 and 2 programs per SM): at B8 H32/8 on the
-    H200 the kernel took 204.7 against 220.9 us at 128K and 57.7 against 59.2 us at 32K
-    (bench/results/kernels_session9_h200.json runs 1-2). None: 3 at D <= 128, 1 at D = 256
-    (shared memory: 3 x 118 KB).
+    H200 the kernel took 203.2 against 220.6 us at 128K and 57.2 against 58.6 us at 32K
+    (bench/results/kernels_session9_h200.json run 2). None: 3 at D <= 128 when B x Hkv <= 132
+    (one wave of 396 programs), else 1 (B32 H32/8 32K, 256 rows and heads of one split each:
+    0.341 ms at 3 per block, 86 SMs busy, bench/results/kernels_h200.json; 0.283 ms at 1 per
+    block, 2 per SM on 128 SMs, in session 8), and at D = 256 (shared memory: 3 x 118 KB).
     target_programs: history splits are chosen for at most about this many programs (floor,
-    at least one split per row and head); None: 396 at D <= 128 (one wave of 3 per SM on the
-    H200's 132 SMs), 1024 at D = 256. buffers: TMA pipeline depth; None: 2 at D <= 128 (at
-    3 programs per SM 2 buffers were faster than 3: 204.7 against 208.1 us at 128K), 3 at
-    D = 256.
+    at least one split per row and head); None: 396 at 3 per block, else 256 at D <= 128
+    (one wave of 2 per SM) and 1024 at D = 256. buffers: TMA pipeline depth; None: 2 at 3
+    per block (204.7 against 208.1 us with 3 at 128K, kernels_session9_h200.json run 1), else 3.
     """
     b, c, hq, d = q.shape
     hkv = sink_k.shape[1]
@@ -501,10 +503,12 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         codes_k = jnp.pad(codes_k, ((0, 0), (0, 0), (0, _ROWS - rows), (0, 0)))
         codes_v = jnp.pad(codes_v, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows)))
         meta = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows))) for x in meta]
-    small = d <= 128
-    warpgroups = (3 if small else 1) if warpgroups is None else warpgroups
-    buffers = (2 if small else 3) if buffers is None else buffers
-    target_programs = (396 if small else 1024) if target_programs is None else target_programs
+    if warpgroups is None:  # 3 per block where one wave of them still fills the SMs
+        warpgroups = 3 if d <= 128 and 3 * b * hkv <= _WAVE_OF_3 else 1
+    if buffers is None:
+        buffers = 2 if warpgroups == 3 else 3
+    if target_programs is None:
+        target_programs = _WAVE_OF_3 if warpgroups == 3 else 256 if d <= 128 else 1024
     hist_rows = max(rows, _ROWS)
     tiles = -(-hist_rows // _ROWS)
     split_rows = _ROWS * -(-tiles // max(1, min(tiles, target_programs // (b * hkv))))
