@@ -5,6 +5,8 @@ data/shakespeare (see `oscar_jax.models.corpus.SHAKESPEARE_HINT`); skipped
 without them. 1024 calibration tokens, 512 held-aside (clips fitted on the
 first 256, the logit error measured on the last 256), every key at 2 bits with
 G = D = 64 and bf16 scale/lo: 2.5 bits/element in the quantised history.
+Marked slow (an accuracy comparison, ~100 s on 2 cores, left out of CI):
+`.venv/bin/python -m pytest tests/test_calibration_real.py -m slow`.
 """
 
 import numpy as np
@@ -32,6 +34,7 @@ def smollm2_run():
     return decoder, run
 
 
+@pytest.mark.slow
 def test_spectrum_using_variant_beats_hadamard_at_equal_bits(smollm2_run, tmp_path):
     from oscar_jax.models import calibration as mc
     decoder, run = smollm2_run

@@ -306,10 +306,12 @@ MGPU_CASES = [  # (D, g, history tokens, target programs: 8 -> one split of many
 
 
 # Boundary patterns 2 (lengths just past S0 + W: histories of 0, 1, 3 tokens) and 3 (full,
-# full - 1, and length 1): both at every D and every slices_per_tile, one elsewhere.
-MGPU_RUNS = [(MGPU_CASES[0], 2), (MGPU_CASES[0], 3), (MGPU_CASES[1], 2), (MGPU_CASES[1], 3),
-             (MGPU_CASES[2], 2), (MGPU_CASES[3], 3), (MGPU_CASES[4], 2), (MGPU_CASES[5], 2),
-             (MGPU_CASES[5], 3), (MGPU_CASES[6], 2), (MGPU_CASES[7], 3)]
+# full - 1, and length 1): both at every D (at D = 256 across two cases) and at
+# slices_per_tile 4 (g = 1) and 2 (g = 3, g = 4), one per case elsewhere. MGPU_CASES[0] runs
+# compiled only (pytest -m gpu); its one split of 4 steps is D = 64's here.
+MGPU_RUNS = [(MGPU_CASES[1], 2), (MGPU_CASES[1], 3), (MGPU_CASES[2], 2), (MGPU_CASES[3], 3),
+             (MGPU_CASES[4], 3), (MGPU_CASES[5], 2), (MGPU_CASES[5], 3), (MGPU_CASES[6], 2),
+             (MGPU_CASES[7], 3)]
 
 
 @pytest.mark.parametrize("case,pattern", MGPU_RUNS,
@@ -319,7 +321,8 @@ def test_mgpu_attention_matches_reference(case, pattern):
     spec = _spec(d, d, "uniform", "bfloat16", hist=hist)
     rng = np.random.default_rng([d, g, hist, target, pattern])
     assert mixed_attention_mgpu.supports(spec, 1, g)
-    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target)
+    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target,
+                               warpgroups=3 if d <= 128 else 1)  # 3 per block: large shapes' default
     _check_attention(rng, spec, g, 1, _lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True,
                      rotates=True)
 
@@ -336,9 +339,9 @@ def test_mgpu_sink_and_ring_match_reference():
 
 
 def test_mgpu_one_warpgroup_three_buffers_match_reference():
-    """One program per block with 3 TMA buffers at D = 128 (the defaults there are 3
-    warpgroups and 2 buffers; D = 256 runs this way): steps i + 1 and i + 2 in flight while
-    step i is computed (4 steps: the buffers wrap); both rotations in XLA (decode_start's
+    """One program per block with 3 TMA buffers at D = 128 (`schedule`'s default where
+    programs are few, and at D = 256): steps i + 1 and i + 2 in flight while step i is
+    computed (4 steps: the buffers wrap); both rotations in XLA (decode_start's
     query_rot=None path and decode_finish's output_rot=None path)."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1024)
     rng = np.random.default_rng(3)
@@ -347,6 +350,21 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
     _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True,
                      rotates=False)
 
+
+
+def test_mgpu_schedule():
+    """3 programs per block only where they outnumber one wave of 2 per SM (132 SMs off a
+    GPU); splits are the floor of target / (B x Hkv), within [1, tiles]."""
+    schedule = mixed_attention_mgpu.schedule
+    assert schedule(64, 512, 128) == (3, 2, 86)  # B8 H8 128K: 6 splits, 384 programs in 128 blocks
+    assert schedule(8, 512, 128) == (3, 2, 11)  # B1 128K: 49 splits
+    assert schedule(256, 128, 128) == (1, 3, 128)  # B32 32K: one split each, 2 per SM
+    assert schedule(64, 1, 128) == (1, 3, 1)  # short histories: few programs
+    assert schedule(8, 128, 256) == (1, 3, 1)  # D = 256: one per block, 1024 programs
+    assert schedule(64, 512, 128, warpgroups=1, buffers=2, target_programs=128) == (1, 2, 256)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="warpgroups"):
+            schedule(8, 4, 256 if bad else 128, warpgroups=bad)
 
 # (D, g, cols as slices_per_tile gives, splits, rotate, sink): sink 0 takes the ring as the
 # stand-in for the unread sink operands.
@@ -360,7 +378,8 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, sink, 
     with empty (-inf) partials and rows whose history or ring is empty, all in base 2; then
     o_rot · R^T per KV head when the output rotation is given (to 1e-4: compiled, finer than
     a TF32 rotation's ~5e-4). The ring of 192 takes several sink/ring steps at every D;
-    the partials several merge steps with a ragged last one. Query 0's lses lie 200 above the others,
+    the partials two merge steps at D = 256, the second ragged (one masked step elsewhere).
+    Query 0's lses lie 200 above the others,
     so a global rather than per-query max underflows. q has 8 rows, as the Mosaic GPU kernel
     passes it: rows past g are ignored."""
     rng = np.random.default_rng([d, g, splits])
@@ -484,12 +503,12 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode_at_d128(monkeypatch):
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
 
 
-@pytest.mark.parametrize("d,g,rotate", [(128, 4, True), (128, 4, False), (128, 1, True), (256, 8, True),
-                                        (64, 3, False)])
-def test_mgpu_lowers_for_cuda(d, g, rotate):
-    """B8 Hkv 8 at 32K, each slices_per_tile (2, 4, and 1 at D = 256) and D = 64's 64-byte
-    swizzle: Mosaic GPU's layout
-    inference, wgmma and TMA checks for sm_90, and the Triton lowering of decode_start and
+@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (128, 4, False, None), (128, 1, True, None),
+                                                   (256, 8, True, None), (64, 3, False, None), (128, 4, True, 1)])
+def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
+    """B8 Hkv 8 at 32K, each slices_per_tile (2, 4, and 1 at D = 256), D = 64's 64-byte
+    swizzle, 3 programs per block (the default here) and 1: Mosaic GPU's layout inference,
+    wgmma and TMA checks for sm_90, and the Triton lowering of decode_start and
     decode_finish (with and without the rotations)."""
     b, hkv, rows, sink, window = 8, 8, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
@@ -499,7 +518,8 @@ def test_mgpu_lowers_for_cuda(d, g, rotate):
             *[sds((b, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
     fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
-                           levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False)
+                           levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False,
+                           warpgroups=warpgroups)
     if rotate:
         rot = sds((hkv, d, d), jnp.float32)
         _lower_for_h200(lambda *a: fn(*a[:-2], query_rot=a[-2], output_rot=a[-1]), (*args, rot, rot))
@@ -536,6 +556,12 @@ def test_attention_on_gpu_real_windows(d, g, c):
 @pytest.mark.parametrize("case", MGPU_CASES, ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c))
 def test_mgpu_attention_on_gpu(case):
     test_mgpu_attention_matches_reference(case, 9)
+
+
+@pytest.mark.gpu
+@gpu
+def test_mgpu_one_warpgroup_on_gpu():
+    test_mgpu_one_warpgroup_three_buffers_match_reference()
 
 
 @pytest.mark.gpu

@@ -8,8 +8,8 @@ partials: o^T [D, 8] normalised and its log-sum-exp in base 2, column c for quer
 (batch row, KV head, block of 64 output channels) attends the g queries to the bf16 sink and
 recent ring (scores over all D, values over the channels it merges), merges the history
 partials elementwise in f32 (pass 1: each query's largest lse; pass 2: the weighted sum of
-the [D, 16] partial tiles, several per step; an FMA dot over all 16 query rows took half of
-the kernel's instructions on the H200), merges the two, and, given the output rotation,
+the [D, 8] partials, whole 32-byte rows, several per step; an FMA dot over all 16 query rows
+took half of the kernel's instructions on the H200), merges the two, and, given the output rotation,
 rotates its block of the result back (rows of the rotation times o_rot; it then merges all
 D). All scores are in base 2 (log2 e is folded into the queries); the returned lse is in the
 natural base.
@@ -38,7 +38,7 @@ from .mixed_attention import f32_dot
 _LN2 = math.log(2.0)
 _D_BLOCK = 64  # output channels per program (scores still take all D)
 _Q = 16  # query columns of every tile: the partials' 8, padded to the least dot N
-_CHUNK_ELEMENTS = 8192  # f32 elements of partials merged per step ([chunk, D_merged, 16])
+_CHUNK_ELEMENTS = 8192  # f32 elements of partials merged per step ([chunk, D_merged, 8])
 _NUM_WARPS = 4
 
 
@@ -108,17 +108,16 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
     m_d, l_d, acc_d = segment(rk_ref, rv_ref, window, lambda j: layout.ring_position(n, j, sink, window), dense)
 
     # History partials. Partial column p (0..7) belongs to query p % cols.
-    real, p8 = c < 8, jnp.arange(8)
-    owns = real[:, None] & (c[:, None] % cols == queries[None, :])  # [16 partial columns, 16 query columns]
-    owns8 = p8[:, None] % cols == queries[None, :]  # its 8 real rows
-    same8 = real[None, :] & (p8[:, None] % cols == c[None, :] % cols)  # [8, 16]: partial columns of one query
     finite = lambda x: jnp.where(x == -jnp.inf, 0.0, x)
+    p8 = jnp.arange(8)
+    owns = p8[:, None] % cols == queries[None, :]  # [8 partial columns, 16 query columns]
+    same = p8[:, None] % cols == p8[None, :] % cols  # [8, 8]: the partial columns of one query
     # Pass 1: each query's largest log-sum-exp, per partial column and per query column.
     s_ids = jnp.arange(_pow2(splits))
-    lses = plgpu.load(lse_ref.at[b, h, jnp.minimum(s_ids, splits - 1)[:, None], jnp.minimum(c, 7)[None, :]],
-                      mask=(s_ids < splits)[:, None] & real[None, :], other=-jnp.inf)  # [S_pad, 16]
+    lses = plgpu.load(lse_ref.at[b, h, jnp.minimum(s_ids, splits - 1)[:, None], p8[None, :]],
+                      mask=(s_ids < splits)[:, None], other=-jnp.inf)  # [S_pad, 8]
     col_top = jnp.max(lses, axis=0)
-    top8 = finite(jnp.max(jnp.where(same8, col_top[None, :], -jnp.inf), axis=1))  # per partial column
+    top = finite(jnp.max(jnp.where(same, col_top[None, :], -jnp.inf), axis=1))  # per partial column
     top_q = finite(jnp.max(jnp.where(owns, col_top[:, None], -jnp.inf), axis=0))  # per query column
 
     # Pass 2: acc[:, p] = sum over partials of 2^(lse - top) o (elementwise, f32), `chunk`
@@ -132,15 +131,15 @@ def _kernel(n_ref, q_ref, ot_ref, lse_ref, sk_ref, sv_ref, rk_ref, rv_ref, *refs
         ok = s_idx < splits
         s_safe = jnp.minimum(s_idx, splits - 1)
         lse_k = plgpu.load(lse_ref.at[b, h, s_safe[:, None], p8[None, :]], mask=ok[:, None], other=-jnp.inf)
-        w = jnp.exp2(lse_k - top8[None, :])  # [chunk, 8]
+        w = jnp.exp2(lse_k - top[None, :])  # [chunk, 8]
         o = plgpu.load(ot_ref.at[b, h, s_safe[:, None, None], mcol[None, :, None], p8[None, None, :]],
                        mask=ok[:, None, None], other=0.0)  # [chunk, D_merged, 8]
         return acc + jnp.sum(o * w[:, None, :], axis=0), l + jnp.sum(w, axis=0)
 
     acc_h, l_col = lax.fori_loop(0, -(-splits // chunk), merge, (jnp.zeros((mcol.shape[0], 8), jnp.float32),
                                                                  jnp.zeros((8,), jnp.float32)))
-    sel = owns8.astype(jnp.float32)
-    o_h = jnp.sum(acc_h[:, :, None] * sel[None, :, :], axis=1)  # [D_merged, 16 query columns], exact
+    sel = owns.astype(jnp.float32)
+    o_h = jnp.sum(acc_h[:, :, None] * sel[None, :, :], axis=1)  # [D_merged, 16 query columns], no dot
     l_h = jnp.sum(l_col[:, None] * sel, axis=0)
 
     # The two merged: history (scale 2^top_q) and bf16 (scale 2^m_d), per query column.

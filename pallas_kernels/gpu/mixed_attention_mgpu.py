@@ -31,7 +31,8 @@ With g <= 4 (at D <= 128) several token slices share one [64, 8] score tile, eac
 own block of columns (`slices_per_tile`): q sits block-diagonally in the B operand, and
 each column block is one more partial softmax for the merge, so padding columns do no work.
 
-One program per (batch row, KV head, history split), one warpgroup; each step moves 64
+One program per (batch row, KV head, history split), one warpgroup, `warpgroups` of them
+per block (3 where there are enough programs: 3 per SM; `schedule`); each step moves 64
 packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their metadata into
 shared memory with TMA, `buffers` steps deep. Only a split's last step masks (tokens past
 the history, rows a tile moved back repeats). The V products' B operands are zero outside
@@ -78,7 +79,8 @@ _W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
 _W_LO = 254.0
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fewer shifts)
-_WAVE_OF_3 = 396  # programs in one wave of 3 per SM on the H200's 132 SMs
+_WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
+_H200_SMS = 132  # the SM count where the device reports none (interpret mode, lowering)
 _REDUCTION_SCRATCH = 256  # f32 per warpgroup: a cross-warp reduction of [R, 8] (4 warps x 32 lanes x 2)
 
 
@@ -234,16 +236,17 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
             split_rows: int, hist_rows: int, hist_tokens: int, head_dim: int, packed: int, buffers: int,
             dense: int, kv_heads: int, splits: int, programs: int, warpgroups: int, interpret: bool):
     # Program (row b, KV head h, split sp) = warpgroup wg of block `block`; the last block's
-    # spare warpgroups repeat the last program (the same values, written twice).
+    # spare warpgroups compute the last program again and write nothing.
     wg = lax.axis_index("wg") if warpgroups > 1 else 0
-    program = jnp.minimum(lax.axis_index("block") * warpgroups + wg, programs - 1)
+    flat = lax.axis_index("block") * warpgroups + wg
+    program = jnp.minimum(flat, programs - 1)
     b, h, sp = program // (kv_heads * splits), program // splits % kv_heads, program % splits
     q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem = (
         ref.at[wg] for ref in (q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem))
     if interpret:
         stage_k, stage_v = stage_k.at[wg], stage_v.at[wg]
-    q_bar, step_bars = q_bar.at[wg], tile_bars
-    tile_bars = lambda slot: step_bars.at[wg * buffers + slot]  # this warpgroup's TMA barriers
+    q_bar, all_tile_bars = q_bar.at[wg], tile_bars
+    tile_bar = lambda slot: all_tile_bars.at[wg * buffers + slot]  # this warpgroup's TMA barriers
     n_tiles = _TPB // packed  # score tiles per step; tile t holds slices t * packed + j
     n_hist = jnp.clip(n_ref[b] - dense, 0, hist_tokens)  # history tokens of this row (n_ref: lengths)
     valid_rows = (n_hist + _TPB - 1) // _TPB
@@ -293,7 +296,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         sources += [ref.at[b, h, :, pl.ds(r0, _ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
         targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
         for src, dst in zip(sources, targets):
-            plgpu.copy_gmem_to_smem(src, dst, tile_bars(slot))  # one arrival per copy
+            plgpu.copy_gmem_to_smem(src, dst, tile_bar(slot))  # one arrival per copy
 
     for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
         pl.when(j < steps)(functools.partial(issue, j, j))
@@ -317,7 +320,7 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         pl.when(ahead < steps)(lambda: issue(ahead, lax.rem(ahead, buffers)))
 
         with jax.named_scope("tma_wait"):  # phases name the regions of a Mosaic GPU profile
-            plgpu.barrier_wait(tile_bars(slot))
+            plgpu.barrier_wait(tile_bar(slot))
         r_nominal, r0 = tile_start(i)
         packed_k = plgpu.load(ck_smem.at[slot], layout=codes_layout)  # [64, D]
 
@@ -410,9 +413,12 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
     o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
     lse_smem[...] = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)  # base 2
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, sp])
-    plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(flat < programs)
+    def _():
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, sp])
+        plgpu.wait_smem_to_gmem(0)
 
 
 def slices_per_tile(g: int, head_dim: int) -> int:
@@ -423,6 +429,38 @@ def slices_per_tile(g: int, head_dim: int) -> int:
     if head_dim > 128:
         return 1
     return min(_TPB, _N // (1 << (g - 1).bit_length()))
+
+
+def _sm_count() -> int:
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or _H200_SMS
+
+
+def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, warpgroups: int | None = None,
+             buffers: int | None = None, target_programs: int | None = None) -> tuple[int, int, int]:
+    """(warpgroups per block, TMA buffers, 256-token tiles per history split) for B x Hkv =
+    rows_and_heads and `tiles` tiles of history; None picks the default.
+
+    warpgroups: 3 at D <= 128 when 3 per SM make more programs than one wave of 2 per SM
+    holds (target 3 x SMs), else 1 (target 2 x SMs at D <= 128, 1024 at D = 256: shared memory
+    holds one D = 256 program of 118 KB). B32 H32/8 32K, 256 rows and heads of one split
+    each, took 0.341 ms at 3 per block on 86 SMs (bench/results/kernels_h200.json, session 9)
+    and 0.283 ms at 1 per block, 2 per SM on 128 SMs (session 8). Splits: the floor of
+    target / (B x Hkv), at least 1, at most `tiles`. buffers: 2 at 3 per block (204.7
+    against 208.1 us with 3, 128K kernel), else 3."""
+    sms = _sm_count()
+    split = lambda target: max(1, min(tiles, target // rows_and_heads))
+    if warpgroups is None:
+        many = rows_and_heads * split(target_programs or _WARPGROUPS * sms) > 2 * sms
+        warpgroups = _WARPGROUPS if head_dim <= 128 and many else 1
+    if warpgroups < 1 or (warpgroups > 1 and head_dim > 128):
+        raise ValueError(f"warpgroups={warpgroups}: expected >= 1, and 1 at D = {head_dim} > 128 "
+                         "(shared memory holds one such program per block)")
+    if buffers is None:
+        buffers = 2 if warpgroups > 1 else 3
+    if target_programs is None:
+        target_programs = warpgroups * sms if warpgroups > 1 else 2 * sms if head_dim <= 128 else 1024
+    return warpgroups, buffers, -(-tiles // split(target_programs))
 
 
 def supports(spec, c: int, g: int) -> bool:
@@ -466,14 +504,9 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     barriers. 3 puts 3 programs on an SM (ptxas then fits a thread into 168 registers, spilling
     76 bytes, where 1 program per block took 213 and 2 programs per SM): at B8 H32/8 on the
     H200 the kernel took 203.2 against 220.6 us at 128K and 57.2 against 58.6 us at 32K
-    (bench/results/kernels_session9_h200.json run 2). None: 3 at D <= 128 when B x Hkv <= 132
-    (one wave of 396 programs), else 1 (B32 H32/8 32K, 256 rows and heads of one split each:
-    0.341 ms at 3 per block, 86 SMs busy, bench/results/kernels_h200.json; 0.283 ms at 1 per
-    block, 2 per SM on 128 SMs, in session 8), and at D = 256 (shared memory: 3 x 118 KB).
-    target_programs: history splits are chosen for at most about this many programs (floor,
-    at least one split per row and head); None: 396 at 3 per block, else 256 at D <= 128
-    (one wave of 2 per SM) and 1024 at D = 256. buffers: TMA pipeline depth; None: 2 at 3
-    per block (204.7 against 208.1 us with 3 at 128K, kernels_session9_h200.json run 1), else 3.
+    (bench/results/kernels_session9_h200.json run 2). target_programs: history splits are
+    chosen for at most about this many programs. buffers: TMA pipeline depth. None: see
+    `schedule`.
     """
     b, c, hq, d = q.shape
     hkv = sink_k.shape[1]
@@ -503,15 +536,11 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         codes_k = jnp.pad(codes_k, ((0, 0), (0, 0), (0, _ROWS - rows), (0, 0)))
         codes_v = jnp.pad(codes_v, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows)))
         meta = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows))) for x in meta]
-    if warpgroups is None:  # 3 per block where one wave of them still fills the SMs
-        warpgroups = 3 if d <= 128 and 3 * b * hkv <= _WAVE_OF_3 else 1
-    if buffers is None:
-        buffers = 2 if warpgroups == 3 else 3
-    if target_programs is None:
-        target_programs = _WAVE_OF_3 if warpgroups == 3 else 256 if d <= 128 else 1024
     hist_rows = max(rows, _ROWS)
     tiles = -(-hist_rows // _ROWS)
-    split_rows = _ROWS * -(-tiles // max(1, min(tiles, target_programs // (b * hkv))))
+    warpgroups, buffers, split_tiles = schedule(b * hkv, tiles, d, warpgroups=warpgroups, buffers=buffers,
+                                                target_programs=target_programs)
+    split_rows = _ROWS * split_tiles
     num_splits = -(-hist_rows // split_rows)
     programs = b * hkv * num_splits
 
