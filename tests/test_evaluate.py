@@ -44,6 +44,7 @@ def test_chunk_sums_match_numpy():
     np.testing.assert_allclose(got, [nll[mask].sum(), kl[mask].sum(), agree[mask].sum()], rtol=1e-5)
 
 
+@pytest.mark.slow  # ~70 s on 2 cores with the model's load; the tiny model's checks below run in CI
 def test_full_precision_cache_reproduces_forward_perplexity(smollm2):
     """SmolLM2 through the cache with prefill + extend chunks: fp32 equals the plain forward.
     (The bf16 cache's check against a forward with bf16 K/V is the tiny model's below: on

@@ -75,7 +75,20 @@ def test_logits_match_transformers(model, full_logits):
     assert argmax_same.all()
 
 
+@pytest.mark.parametrize("model", ["smollm2"], indirect=True)
 def test_greedy_continuation_matches_transformers(model):
+    """generate()'s jitted decode loop against transformers' greedy tokens (Gemma-3's: slow,
+    ~60 s of compilation; its decode path is checked in CI by the tests below)."""
+    _greedy_matches(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gemma3"], indirect=True)
+def test_greedy_continuation_matches_transformers_gemma3(model):
+    _greedy_matches(model)
+
+
+def _greedy_matches(model):
     name, decoder, _, z = model
     out = gen.generate(decoder, kv_policy.make_policy("fp32"), [z["gen_prompt_ids"].tolist()],
                        max_new_tokens=len(z["gen_new_ids"]), eos_ids=())
