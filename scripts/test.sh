@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Set up .venv (scripts/setup.sh) and run the test suite on the CPU, 2 workers (a module
-# marked with an xdist_group stays on one worker).
+# Set up .venv (scripts/setup.sh) and run the test suite on the CPU, 2 workers.
 # Extra arguments go to pytest, e.g. scripts/test.sh tests/test_cache.py -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup -q "$@"
+exec .venv/bin/python -m pytest -n 2 -q "$@"

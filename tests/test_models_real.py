@@ -21,10 +21,6 @@ from oscar_jax.models import kv_policy, registry
 from oscar_jax.models.decoder import forward_logits
 from oscar_jax.models.gguf_loader import read_config
 
-# One pytest-xdist worker takes the whole module (scripts/test.sh: --dist loadgroup), so each
-# model is loaded, and its full forward compiled, once per run rather than once per worker.
-pytestmark = pytest.mark.xdist_group("real_models")
-
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 MODELS = ("smollm2", "gemma3")
 _CACHE: dict[str, tuple] = {}
