@@ -351,7 +351,6 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
                      rotates=False)
 
 
-
 def test_mgpu_schedule():
     """3 programs per block only where they outnumber one wave of 2 per SM (132 SMs off a
     GPU); splits are the floor of target / (B x Hkv), within [1, tiles]."""
@@ -365,6 +364,7 @@ def test_mgpu_schedule():
     for bad in (0, 3):
         with pytest.raises(ValueError, match="warpgroups"):
             schedule(8, 4, 256 if bad else 128, warpgroups=bad)
+
 
 # (D, g, cols as slices_per_tile gives, splits, rotate, sink): sink 0 takes the ring as the
 # stand-in for the unread sink operands.

@@ -39,7 +39,6 @@ _LN2 = math.log(2.0)
 _D_BLOCK = 64  # output channels per program (scores still take all D)
 _Q = 16  # query columns of every tile: the partials' 8, padded to the least dot N
 _CHUNK_ELEMENTS = 8192  # f32 elements of partials merged per step ([chunk, D_merged, 8])
-_NUM_WARPS = 4
 
 
 def _dense_block(d: int) -> int:
@@ -193,7 +192,7 @@ def decode_finish(q, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, *, 
         in_specs=[full(x) for x in arrays],
         out_specs=[full(o) for o in out_shape],
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="oscar_decode_finish",
     )(*arrays)
