@@ -328,9 +328,9 @@ def test_mgpu_attention_matches_reference(case, pattern):
 
 
 def test_mgpu_sink_and_ring_match_reference():
-    """A production-size sink and a ring of 192 (decode_finish's bf16 blocks of 128: one
-    whole, one half); lengths inside the sink, inside the ring, on S0 + W and full. (No
-    sink: `test_decode_finish_matches_a_direct_merge`.)"""
+    """A production-size sink and a ring of 192 (the kernel's bf16 blocks of 64: 1 + 3, the
+    ring's taken by the last split after its history); lengths inside the sink, inside the
+    ring, on S0 + W and full. (A sink of 8, padded to a block: the other cases.)"""
     sink = 64
     spec = _spec(64, 64, "uniform", "bfloat16", sink=sink, window=192, hist=256)
     rng = np.random.default_rng([sink, 5])
@@ -361,59 +361,41 @@ def test_mgpu_schedule():
     assert schedule(64, 1, 128) == (1, 3, 1)  # short histories: few programs
     assert schedule(8, 128, 256) == (1, 3, 1)  # D = 256: one per block, 1024 programs
     assert schedule(64, 512, 128, warpgroups=1, buffers=2, target_programs=128) == (1, 2, 256)
+    assert schedule(64, 120, 128) == (3, 2, 20)  # 6 splits of 20 tiles
+    assert schedule(64, 120, 128, dense_blocks=5) == (3, 2, 21)  # the sink and ring count as 4 tiles
     for bad in (0, 3):
         with pytest.raises(ValueError, match="warpgroups"):
             schedule(8, 4, 256 if bad else 128, warpgroups=bad)
 
 
-# (D, g, cols as slices_per_tile gives, splits, rotate, sink): sink 0 takes the ring as the
-# stand-in for the unread sink operands.
-FINISH_CASES = [(128, 3, 4, 5, True, 8), (256, 4, 8, 19, False, 8), (64, 2, 2, 6, True, 0)]
+# (D, g, cols as slices_per_tile gives, partials, rotate)
+FINISH_CASES = [(128, 3, 4, 5, True), (256, 4, 8, 19, False), (64, 2, 2, 6, True)]
 
 
-@pytest.mark.parametrize("d,g,cols,splits,rotate,sink", FINISH_CASES)
-def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, sink, interpret=True):
-    """decode_finish against an XLA oracle: the bf16 sink + ring attention (ring positions
-    from `cache.ring_positions`) and a log-sum-exp over every partial column c % cols == i,
-    with empty (-inf) partials and rows whose history or ring is empty, all in base 2; then
+@pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
+def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=True):
+    """decode_finish against an XLA oracle: a log-sum-exp over every partial column c % cols
+    == i, with empty (-inf) partials and a row with none seen at all, in base 2; then
     o_rot · R^T per KV head when the output rotation is given (to 1e-4: compiled, finer than
-    a TF32 rotation's ~5e-4). The ring of 192 takes several sink/ring steps at every D;
-    the partials two merge steps at D = 256, the second ragged (one masked step elsewhere).
-    Query 0's lses lie 200 above the others,
-    so a global rather than per-query max underflows. q has 8 rows, as the Mosaic GPU kernel
-    passes it: rows past g are ignored."""
+    a TF32 rotation's ~5e-4). The partials take two merge steps at D = 256, the second
+    ragged (one masked step elsewhere). Query 0's lses lie 200 above the others, so a global
+    rather than per-query max underflows."""
     rng = np.random.default_rng([d, g, splits])
-    b, hkv, window = 4, 2, 192
-    lengths = np.array([3, sink + 10, sink + window + 50, 1000], np.int32)
-    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    q = f32(b, hkv, 8, d) * 0.3
-    o_t = f32(b, hkv, splits, d, 8)
+    b, hkv = 4, 2
+    o_t = jnp.asarray(rng.standard_normal((b, hkv, splits, d, 8)), jnp.float32)
     lse2 = np.asarray(rng.standard_normal((b, hkv, splits, 8)) * 3, np.float32)
     lse2 += 200.0 * (np.arange(8) % cols == 0)  # query 0 far above the others (2^-200: 0 in f32)
-    lse2[0] = -np.inf  # row 0: no history at all
+    lse2[0] = -np.inf  # row 0: nothing seen at all
     lse2[:, :, 0, :4] = -np.inf  # some empty partials
-    bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    sink_k, sink_v, recent_k, recent_v = bf(b, hkv, sink, d), bf(b, hkv, sink, d), bf(b, hkv, window, d), bf(b, hkv, window, d)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
-    o, lse = decode_finish.decode_finish(q, o_t, jnp.asarray(lse2), sink_k, sink_v, recent_k, recent_v,
-                                         jnp.asarray(lengths), cols=cols, sink=sink, window=window, g=g,
-                                         output_rot=rot, interpret=interpret)
+    o, lse = decode_finish.decode_finish(o_t, jnp.asarray(lse2), cols=cols, g=g, output_rot=rot, interpret=interpret)
     assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g)
 
-    n = jnp.asarray(lengths)
-    visible = jnp.concatenate([jnp.arange(sink)[None, :] < n[:, None],
-                               cache_lib.ring_positions(n, sink, window) >= 0], axis=1)[:, None, None, :]
-    k = jnp.concatenate([sink_k, recent_k], axis=2).astype(jnp.float32)
-    v = jnp.concatenate([sink_v, recent_v], axis=2).astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
-    ln2 = np.log(2.0)
-    s_d = jnp.where(visible, jnp.einsum("bhgd,bhtd->bhgt", q, k, precision=hi) * ln2, -jnp.inf)  # natural base
     owner = np.arange(8) % cols  # the query of each partial column
-    lse_h = [jnp.asarray(lse2 * ln2)[..., owner == i].reshape(b, hkv, -1) for i in range(g)]
-    o_h = [jnp.moveaxis(o_t[..., owner == i], -1, -2).reshape(b, hkv, -1, d) for i in range(g)]
     for i in range(g):
-        scores = jnp.concatenate([s_d[:, :, i], lse_h[i]], axis=-1)  # [B, Hkv, T + partials]
-        values = jnp.concatenate([v, o_h[i]], axis=2)
+        scores = jnp.asarray(lse2 * np.log(2.0))[..., owner == i].reshape(b, hkv, -1)  # natural base
+        values = jnp.moveaxis(o_t[..., owner == i], -1, -2).reshape(b, hkv, -1, d)
         want_lse = jax.nn.logsumexp(scores, axis=-1)
         weights = jnp.exp(scores - jnp.where(jnp.isfinite(want_lse), want_lse, 0.0)[..., None])
         want_o = jnp.einsum("bht,bhtd->bhd", weights, values, precision=hi)
@@ -438,8 +420,8 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     q = jnp.asarray(rng.standard_normal((b, hkv * g, d)) * 3, jnp.float32)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32)
     packed = mixed_attention_mgpu.slices_per_tile(g, d)
-    blocks, qcol, q_cols = decode_start.decode_start(q, rot if rotate else None, kv_heads=hkv, softmax_scale=scale,
-                                                    packed=packed, interpret=interpret)
+    blocks, qcol, q_dense = decode_start.decode_start(q, rot if rotate else None, kv_heads=hkv, softmax_scale=scale,
+                                                     packed=packed, interpret=interpret)
     heads = q.reshape(b, hkv, g, d)
     want = jnp.einsum("bhgd,hde->bhge", heads, rot, precision=jax.lax.Precision.HIGHEST) if rotate else heads
     cols = 8 // packed
@@ -464,7 +446,13 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     assert err <= 1.0 / (127 * 256) + 1e-6 and err < bf16_err / 10
     assert not np.any(np.asarray(hi)[:, :, ~real]) and not np.any(np.asarray(lo)[:, :, ~real])
     np.testing.assert_allclose(np.asarray(q_sum), np.asarray(jnp.sum(want2, axis=-1)), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(q_cols), np.asarray(want2), rtol=1e-5, atol=1e-5)
+    # The bf16 parts for the sink and ring: row r holds column r % 8, hi a bf16 rounding of
+    # the query (to 2^-8) and hi + lo as fine as the int8 split.
+    assert q_dense.shape == (b, hkv, 2, 16, d) and q_dense.dtype == jnp.bfloat16
+    want16, peak16 = (jnp.concatenate([x, x], axis=2) for x in (want2, jnp.where(peak > 0, peak, 1.0)))
+    rel = lambda x: float(jnp.max(jnp.abs(x.astype(jnp.float32) - want16) / peak16))
+    assert rel(q_dense[:, :, 0]) <= 2.0 ** -8
+    assert rel(q_dense[:, :, 0].astype(jnp.float32) + q_dense[:, :, 1].astype(jnp.float32)) <= 1.0 / (127 * 256)
 
 
 def test_mgpu_refuses_what_it_does_not_handle():
@@ -573,16 +561,16 @@ def test_mgpu_query_layout_on_gpu(d, g, rotate):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("d,g,cols,splits,rotate,sink", FINISH_CASES)
-def test_decode_finish_on_gpu(d, g, cols, splits, rotate, sink):
-    test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, sink, interpret=False)
+@pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
+def test_decode_finish_on_gpu(d, g, cols, splits, rotate):
+    test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=False)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("d,g", [(128, 4), (256, 4), (64, 3)])
 def test_mgpu_attention_on_gpu_real_windows(d, g):
-    """Production sink/window (64/256: decode_finish's bf16 blocks at full size), a ragged
+    """Production sink/window (64/256: the kernel's bf16 blocks unpadded), a ragged
     batch over a 2048-token history."""
     spec = _spec(d, d, "uniform", "bfloat16", sink=64, window=256, hist=2048)
     rng = np.random.default_rng([d, g])

@@ -4,8 +4,8 @@ Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
 One program per (batch row, KV head) rotates its g queries, folds in the softmax scale and
 log2 e (every score of the decode is in base 2), and lays them out for `mixed_attention_mgpu`:
-the int8 q_hi / q_lo blocks and q_step / Σq tiles of the history's int8 MMAs, and the
-queries themselves in f32 for the bf16 sink and ring of `decode_finish`.
+the int8 q_hi / q_lo blocks and q_step / Σq tiles of the history's int8 MMAs, and the bf16
+hi + lo parts of the queries for the bf16 MMAs over the sink and ring.
 
 Precision: the rotation is three bf16 MMAs on the GPU (~17 bits) and exact f32 in interpret
 mode.
@@ -50,12 +50,13 @@ def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, ja
 
 def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpret: bool):
     """One (batch row, KV head) of `decode_start`."""
-    rot_ref, qb_ref, qcol_ref, qc_ref = refs if rotate else (None, *refs)
+    rot_ref, qb_ref, qcol_ref, qd_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
     d, packed = q_ref.shape[-1], N // cols
-    # Row c of a [16, .] tile (a dot's least M) is column c of the N = 8 query columns; rows
-    # 8-15 repeat row 7, so that every store can go unmasked (the copies write the same values).
-    c = jnp.minimum(jnp.arange(2 * N), N - 1)
+    # Row r of a [16, .] tile (a dot's least M) is column c = r % 8 of the N = 8 query columns:
+    # rows 8-15 repeat rows 0-7 (the two halves of the bf16 MMAs' B operand; the int8 stores
+    # write the copies' same values).
+    c = jnp.arange(2 * N) % N
     use = c % cols < g  # column c takes query c % cols of column block c // cols (c < g: query c)
     heads = (h * g + jnp.minimum(c % cols, g - 1))[:, None]
     cw = min(d, 64)  # rotated channels per chunk ([D, 64] of the rotation per product)
@@ -76,7 +77,10 @@ def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpr
             for j in range(packed):  # column block j: zeros outside it
                 plgpu.store(qb_ref.at[b, h, j, k * N + tile_rows, ch[None, :]],
                             jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
-        plgpu.store(qc_ref.at[b, h, tile_rows, ch[None, :]], x)
+        x_hi = x.astype(jnp.bfloat16)
+        plgpu.store(qd_ref.at[b, h, 0, jnp.arange(2 * N)[:, None], ch[None, :]], x_hi)
+        plgpu.store(qd_ref.at[b, h, 1, jnp.arange(2 * N)[:, None], ch[None, :]],
+                    (x - x_hi.astype(jnp.float32)).astype(jnp.bfloat16))
     q_sum = sum(jnp.sum(x, axis=1) for x in xs)
     rows = jnp.arange(TILE_ROWS)[:, None]
     for k, vec in enumerate((q_step, q_sum)):  # the same in every row of the [64, 8] tile
@@ -93,8 +97,8 @@ def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: i
       q_blocks int8 [B, Hkv, P, 16, D]: block j holds q_hi in rows 0..7 and q_lo in rows
         8..15 for column block j (zeros elsewhere; padding columns are 0);
       qcol f32 [B, Hkv, 2, 64, 8]: q_step and Σq of each column, repeated over 64 rows;
-      q_cols f32 [B, Hkv, 8, D]: the columns' queries themselves (for the bf16 sink and
-        ring in `decode_finish`).
+      q_dense bf16 [B, Hkv, 2, 16, D]: the columns' queries as hi + lo parts (~16 bits), row
+        r holding column r % 8 (for the bf16 MMAs over the sink and ring).
     """
     b, hq, d = q.shape
     g, cols = hq // kv_heads, N // packed
@@ -103,7 +107,7 @@ def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: i
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out_shape = [jax.ShapeDtypeStruct((b, kv_heads, packed, 2 * N, d), jnp.int8),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, TILE_ROWS, N), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kv_heads, N, d), jnp.float32)]
+                 jax.ShapeDtypeStruct((b, kv_heads, 2, 2 * N, d), jnp.bfloat16)]
     return pl.pallas_call(
         functools.partial(_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, interpret=interpret),
         grid=(b, kv_heads),

@@ -54,6 +54,7 @@ store use array ops; `pytest -m gpu` runs the compiled forms.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
+
+from oscar_jax.pallas_kernels import layout
 
 from . import decode_start as start
 from .decode_finish import decode_finish
@@ -81,13 +84,20 @@ _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fewer shifts)
 _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
 _H200_SMS = 132  # the SM count where the device reports none (interpret mode, lowering)
-_REDUCTION_SCRATCH = 256  # f32 per warpgroup: a cross-warp reduction of [R, 8] (4 warps x 32 lanes x 2)
+_REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16] (4 warps x 32 lanes x 4)
+_DENSE_TILE_COST = 0.8  # time of a 64-token bf16 block of the sink or ring, in 256-token history steps
 
 
 def _int8_tiles(minor: int) -> tuple:
     """Shared-memory transforms of an int8 MMA operand whose rows have `minor` bytes."""
     swizzle = min(minor, 128)
     return plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)
+
+
+def _bf16_tiles(minor: int) -> tuple:
+    """Shared-memory transforms of a bf16 MMA operand whose rows have `minor` elements."""
+    swizzle = min(2 * minor, 128)
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
 def _code_shift(s: int, scaled: bool) -> tuple[int, int]:
@@ -230,25 +240,110 @@ def _reduce_rows(x: jax.Array, kind: str, scratch, *, interpret: bool) -> jax.Ar
     return reduce(x, scratch)
 
 
-def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
-            o_ref, lse_ref, *, q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem,
-            lse_smem, red_smem, q_bar, tile_bars, stage_k=None, stage_v=None,
+def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem, lse16_smem,
+           bars, reduce_rows, g: int, sink: int, window: int):
+    """The bf16 sink and ring of one (batch row, KV head) in blocks of 64 tokens (both padded
+    to whole blocks), on bf16 MMAs with tokens as M, in base 2 -> one more partial, o^T [D, 8]
+    normalised into o_smem and its lse into lse16_smem[:8] (column c is query c; -inf past g):
+      s^T [64, 16] = K [64, D] @ [q_hi | q_hi]^T + K @ [q_lo | q_lo]^T  (both halves: all of s)
+      out^T [D, 16] += V^T [D, 64] @ [p_hi | p_lo] [64, 16]  (out = left + right half)
+    q and p as bf16 hi + lo (~16 bits); K and V exact; f32 accumulators. Single-buffered: the
+    next block's K (V) is in flight while this block's softmax (next QK) runs.
+    segments: (sink K, sink V, ring K, ring V) refs (the ring stands in for an empty sink)."""
+    sk_ref, sv_ref, rk_ref, rv_ref = segments
+    d = k_smem.shape[-1]
+    sink_blocks = -(-sink // _ROWS)
+    total = sink_blocks + -(-window // _ROWS)
+    q_bar, k_bar, v_bar = bars
+
+    def issue(i, which):
+        """TMA of block i's K (which 0) or V (which 1) rows."""
+        dst, bar = (k_smem, k_bar) if which == 0 else (v_smem, v_bar)
+        seg_sink, seg_ring = (sk_ref, rk_ref) if which == 0 else (sv_ref, rv_ref)
+        if sink_blocks:
+            pl.when(i < sink_blocks)(lambda: plgpu.copy_gmem_to_smem(
+                seg_sink.at[b, h, pl.ds(i * _ROWS, _ROWS)], dst, bar))
+        pl.when(i >= sink_blocks)(lambda: plgpu.copy_gmem_to_smem(
+            seg_ring.at[b, h, pl.ds((i - sink_blocks) * _ROWS, _ROWS)], dst, bar))
+
+    plgpu.copy_gmem_to_smem(qd_ref.at[b, h], qd_smem, q_bar)  # [q_hi; q_lo]
+    issue(0, 0)
+    issue(0, 1)
+    plgpu.barrier_wait(q_bar)
+    wgmma_layout = plgpu.Layout.WGMMA
+    tile = (_ROWS, 2 * _N)
+    rows = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=wgmma_layout)
+    columns = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=wgmma_layout)
+    half, query = columns >= _N, columns % _N < g  # the right half; columns past g see nothing
+    by_col = lambda v, shape=tile: lax.broadcast_in_dim(v, shape, [1])
+
+    def block(i, carry):
+        acc, m, l = carry
+        plgpu.barrier_wait(k_bar)
+
+        def qk(acc_ref):
+            for k in range(2):  # q_hi, q_lo
+                plgpu.wgmma(acc_ref, k_smem, qd_smem.at[pl.ds(k * 2 * _N, 2 * _N)].T)
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
+        pl.when(i + 1 < total)(lambda: issue(i + 1, 0))
+        in_sink = i < sink_blocks
+        j = jnp.where(in_sink, i, i - sink_blocks) * _ROWS + rows  # slot in its segment
+        pos = jnp.where(rows * 0 + i < sink_blocks, j, layout.ring_position(n, j, sink, window))
+        visible = (j < jnp.where(in_sink, sink, window)) & (pos >= 0) & (pos < n) & query
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, reduce_rows(s, "max"))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - by_col(m_use))
+        l = l * alpha + reduce_rows(p, "sum")
+        p_hi = p.astype(jnp.bfloat16).astype(jnp.float32)
+        p_smem[...] = jnp.where(half, p - p_hi, p_hi).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_bar)
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, v_smem.T, p_smem)
+            return acc_ref[...]
+
+        pv_out = pl.run_scoped(pv, plgpu.ACC((d, 2 * _N), jnp.float32))
+        pl.when(i + 1 < total)(lambda: issue(i + 1, 1))
+        return acc * by_col(alpha, (d, 2 * _N)) + pv_out, m_new, l
+
+    init = (plgpu.layout_cast(jnp.zeros((d, 2 * _N), jnp.float32), wgmma_layout),
+            plgpu.layout_cast(jnp.full((2 * _N,), -jnp.inf, jnp.float32), wgmma_layout.reduce(0)),
+            plgpu.layout_cast(jnp.zeros((2 * _N,), jnp.float32), wgmma_layout.reduce(0)))
+    acc, m, l = lax.fori_loop(0, total, block, init)
+    seen = l > 0
+    acc = acc / by_col(jnp.where(seen, l, 1.0), (d, 2 * _N))  # both halves share l
+    o_smem[...] = acc[:, :_N] + acc[:, _N:]
+    lse16_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _kernel(n_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
+            sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes, q_smem, qcol_smem, meta_smem, w_smem,
+            o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, stage_k=None, stage_v=None,
             split_rows: int, hist_rows: int, hist_tokens: int, head_dim: int, packed: int, buffers: int,
-            dense: int, kv_heads: int, splits: int, programs: int, warpgroups: int, interpret: bool):
+            sink: int, window: int, g: int, kv_heads: int, splits: int, programs: int, warpgroups: int,
+            interpret: bool):
     # Program (row b, KV head h, split sp) = warpgroup wg of block `block`; the last block's
     # spare warpgroups compute the last program again and write nothing.
     wg = lax.axis_index("wg") if warpgroups > 1 else 0
     flat = lax.axis_index("block") * warpgroups + wg
     program = jnp.minimum(flat, programs - 1)
     b, h, sp = program // (kv_heads * splits), program // splits % kv_heads, program % splits
+    (ck_smem, cv_smem), dense_smem = codes  # the history's code buffers, or the sink / ring's
     q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem = (
         ref.at[wg] for ref in (q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem))
+    dense_smem = dict(zip(("k_smem", "v_smem", "p_smem", "qd_smem", "lse16_smem"),
+                          (ref.at[wg] for ref in dense_smem)))
     if interpret:
         stage_k, stage_v = stage_k.at[wg], stage_v.at[wg]
     q_bar, all_tile_bars = q_bar.at[wg], tile_bars
     tile_bar = lambda slot: all_tile_bars.at[wg * buffers + slot]  # this warpgroup's TMA barriers
     n_tiles = _TPB // packed  # score tiles per step; tile t holds slices t * packed + j
-    n_hist = jnp.clip(n_ref[b] - dense, 0, hist_tokens)  # history tokens of this row (n_ref: lengths)
+    n_hist = jnp.clip(n_ref[b] - sink - window, 0, hist_tokens)  # history tokens of this row (n_ref: lengths)
     valid_rows = (n_hist + _TPB - 1) // _TPB
     r_begin = sp * split_rows
     r_end = jnp.minimum(r_begin + split_rows, valid_rows)
@@ -420,6 +515,19 @@ def _kernel(n_ref, q_ref, qcol_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, s
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, sp])
         plgpu.wait_smem_to_gmem(0)
 
+    @pl.when(sp == splits - 1)  # the last split (the shortest; `schedule`) also takes the sink and ring
+    def _():
+        bars = (dense_bars.at[3 * wg], dense_bars.at[3 * wg + 1], dense_bars.at[3 * wg + 2])
+        _dense(b, h, n_ref[b], qd_ref, (sk_ref, sv_ref, rk_ref, rv_ref), o_smem, bars=bars,
+               reduce_rows=reduce_rows, g=g, sink=sink, window=window, **dense_smem)
+        plgpu.commit_smem()
+
+        @pl.when(flat < programs)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, splits])
+            plgpu.copy_smem_to_gmem(dense_smem["lse16_smem"].at[pl.ds(0, _N)], lse_ref.at[b, h, splits])
+            plgpu.wait_smem_to_gmem(0)
+
 
 def slices_per_tile(g: int, head_dim: int) -> int:
     """Token slices whose scores share one [64, 8] tile: each takes a block of 8 / P columns,
@@ -436,18 +544,22 @@ def _sm_count() -> int:
     return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or _H200_SMS
 
 
-def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, warpgroups: int | None = None,
-             buffers: int | None = None, target_programs: int | None = None) -> tuple[int, int, int]:
+def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: int = 0,
+             warpgroups: int | None = None, buffers: int | None = None,
+             target_programs: int | None = None) -> tuple[int, int, int]:
     """(warpgroups per block, TMA buffers, 256-token tiles per history split) for B x Hkv =
-    rows_and_heads and `tiles` tiles of history; None picks the default.
+    rows_and_heads, `tiles` tiles of history and `dense_blocks` 64-token blocks of sink and
+    ring (which the last split also takes); None picks the default.
 
     warpgroups: 3 at D <= 128 when 3 per SM make more programs than one wave of 2 per SM
     holds (target 3 x SMs), else 1 (target 2 x SMs at D <= 128, 1024 at D = 256: shared memory
     holds one D = 256 program of 118 KB). B32 H32/8 32K, 256 rows and heads of one split
     each, took 0.341 ms at 3 per block on 86 SMs (bench/results/kernels_h200.json, session 9)
     and 0.283 ms at 1 per block, 2 per SM on 128 SMs (session 8). Splits: the floor of
-    target / (B x Hkv), at least 1, at most `tiles`. buffers: 2 at 3 per block (204.7
-    against 208.1 us with 3, 128K kernel), else 3."""
+    target / (B x Hkv), at least 1, at most `tiles`; the tiles per split are those of the
+    history plus the sink and ring (each block counted as `_DENSE_TILE_COST` tiles) over the
+    splits, so that the last split's history is shorter by about the sink and ring's time.
+    buffers: 2 at 3 per block (204.7 against 208.1 us with 3, 128K kernel), else 3."""
     sms = _sm_count()
     split = lambda target: max(1, min(tiles, target // rows_and_heads))
     if warpgroups is None:
@@ -460,7 +572,8 @@ def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, warpgroups: int 
         buffers = 2 if warpgroups > 1 else 3
     if target_programs is None:
         target_programs = warpgroups * sms if warpgroups > 1 else 2 * sms if head_dim <= 128 else 1024
-    return warpgroups, buffers, -(-tiles // split(target_programs))
+    work = tiles + math.ceil(_DENSE_TILE_COST * dense_blocks)
+    return warpgroups, buffers, min(tiles, -(-work // split(target_programs)))
 
 
 def supports(spec, c: int, g: int) -> bool:
@@ -527,8 +640,13 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         raise ValueError(f"query_rot.shape={query_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
     packed = slices_per_tile(g, d)
     cols = _N // packed  # query columns per slice: g padded
-    q_blocks, qcol, q_cols = start.decode_start(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale,
-                                                packed=packed, interpret=interpret)
+    q_blocks, qcol, q_dense = start.decode_start(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale,
+                                                 packed=packed, interpret=interpret)
+    # The bf16 segments in whole blocks of 64 rows (a copy only where S0 or W is not a multiple
+    # of 64; the defaults, 64 and 256, are); no sink: the ring stands in (unread).
+    whole = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -x.shape[2] % _ROWS), (0, 0))) if x.shape[2] % _ROWS else x
+    segments = [whole(x) for x in ((sink_k, sink_v) if sink else (recent_k, recent_v)) + (recent_k, recent_v)]
+    dense_blocks = -(-sink // _ROWS) + -(-window // _ROWS)
 
     codes_k, codes_v = hist_codes_k, hist_codes_v
     meta = [x.reshape(b, hkv, _TPB, rows) for x in (hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v)]
@@ -538,34 +656,41 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         meta = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows))) for x in meta]
     hist_rows = max(rows, _ROWS)
     tiles = -(-hist_rows // _ROWS)
-    warpgroups, buffers, split_tiles = schedule(b * hkv, tiles, d, warpgroups=warpgroups, buffers=buffers,
-                                                target_programs=target_programs)
+    warpgroups, buffers, split_tiles = schedule(b * hkv, tiles, d, dense_blocks=dense_blocks, warpgroups=warpgroups,
+                                                buffers=buffers, target_programs=target_programs)
     split_rows = _ROWS * split_tiles
     num_splits = -(-hist_rows // split_rows)
     programs = b * hkv * num_splits
 
     wgs = warpgroups  # every buffer below is per warpgroup
+    history_codes = (plgpu.SMEM((wgs, buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
+                     plgpu.SMEM((wgs, buffers, d, _ROWS), jnp.uint8, transforms=_int8_tiles(_ROWS)))
+    dense_tiles = (plgpu.SMEM((wgs, _ROWS, d), jnp.bfloat16, transforms=_bf16_tiles(d)),  # K block
+                   plgpu.SMEM((wgs, _ROWS, d), jnp.bfloat16, transforms=_bf16_tiles(2 * _N)),  # V block (p's swizzle)
+                   plgpu.SMEM((wgs, _ROWS, 2 * _N), jnp.bfloat16, transforms=_bf16_tiles(2 * _N)),  # [p_hi | p_lo]
+                   plgpu.SMEM((wgs, 4 * _N, d), jnp.bfloat16, transforms=_bf16_tiles(d)),  # [q_hi; q_lo]
+                   plgpu.SMEM((wgs, 2 * _N), jnp.float32))  # lse
     scratch = dict(
+        codes=plgpu.RefUnion(history_codes, dense_tiles),  # the history's loop, then the sink and ring
         q_smem=plgpu.SMEM((wgs, packed, 2 * _N, d), jnp.int8, transforms=_int8_tiles(d)),  # blocks x [hi; lo]
         qcol_smem=plgpu.SMEM((wgs, 2, _ROWS, _N), jnp.float32),
-        ck_smem=plgpu.SMEM((wgs, buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
-        cv_smem=plgpu.SMEM((wgs, buffers, d, _ROWS), jnp.uint8, transforms=_int8_tiles(_ROWS)),
         meta_smem=plgpu.SMEM((wgs, buffers, 4, _TPB, _ROWS), jnp.bfloat16),
         w_smem=plgpu.SMEM((wgs, _TPB, 2 * _N, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS)),
         o_smem=plgpu.SMEM((wgs, d, _N), jnp.float32),
         lse_smem=plgpu.SMEM((wgs, _N), jnp.float32),
         red_smem=plgpu.SMEM((wgs, _REDUCTION_SCRATCH), jnp.float32),
         q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
-        tile_bars=plgpu.Barrier(num_arrivals=_COPIES, num_barriers=wgs * buffers))
+        tile_bars=plgpu.Barrier(num_arrivals=_COPIES, num_barriers=wgs * buffers),
+        dense_bars=plgpu.Barrier(num_arrivals=1, num_barriers=3 * wgs))  # q; K; V
     if interpret:  # A operands staged in shared memory
         scratch["stage_k"] = plgpu.SMEM((wgs, _TPB, _ROWS, d), jnp.int8, transforms=_int8_tiles(d))
         scratch["stage_v"] = plgpu.SMEM((wgs, _TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
     kernel = plgpu.kernel(
         functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, hist_tokens=rows * _TPB,
-                          head_dim=d, packed=packed, buffers=buffers, dense=sink + window, kv_heads=hkv,
-                          splits=num_splits, programs=programs, warpgroups=wgs, interpret=interpret),
-        out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits, d, _N), jnp.float32),
-                  jax.ShapeDtypeStruct((b, hkv, num_splits, _N), jnp.float32)],
+                          head_dim=d, packed=packed, buffers=buffers, sink=sink, window=window, g=g,
+                          kv_heads=hkv, splits=num_splits, programs=programs, warpgroups=wgs, interpret=interpret),
+        out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits + 1, d, _N), jnp.float32),  # + the sink and ring
+                  jax.ShapeDtypeStruct((b, hkv, num_splits + 1, _N), jnp.float32)],
         scratch_types=scratch,
         grid=(-(-programs // wgs),),
         grid_names=("block",),
@@ -573,15 +698,14 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    o_t, lse2 = kernel(lengths.astype(jnp.int32), q_blocks, qcol, codes_k, codes_v, *meta)
-    # The bf16 sink and recent ring, the merge of every (split, column block) partial, and
-    # the back-rotation: fused at D <= 128; at D = 256 a fused rotation makes each of
+    o_t, lse2 = kernel(lengths.astype(jnp.int32), q_blocks, qcol, q_dense.reshape(b, hkv, 4 * _N, d), codes_k,
+                       codes_v, *meta, *segments)
+    # The merge of every (split, column block) partial, and the back-rotation: fused at D <= 128; at D = 256 a fused rotation makes each of
     # decode_finish's channel blocks merge all 256 channels of 128 splits, so XLA rotates
     # there (Gemma-3 B8 32K on the H200: 0.110 ms so, 0.162 fused with a merge of one split
     # per step; bench/results/kernels_session8_h200.json, kernels_h200.json).
     fused_rot = output_rot if d <= 128 else None
-    o, lse = decode_finish(q_cols, o_t, lse2, sink_k, sink_v, recent_k, recent_v, lengths, g=g, cols=cols,
-                           sink=sink, window=window, output_rot=fused_rot, interpret=interpret)
+    o, lse = decode_finish(o_t, lse2, g=g, cols=cols, output_rot=fused_rot, interpret=interpret)
     if output_rot is not None and fused_rot is None:
         o = jnp.einsum("bhge,hde->bhgd", o, output_rot, precision=lax.Precision.HIGHEST)
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
