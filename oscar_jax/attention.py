@@ -171,12 +171,11 @@ register("pallas", kernel_attend(_gpu_attention.mixed_attention),
 
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
 
-# GPU time on the H200 (bench/results/kernels_h200.json, session 8): it beats the Triton
-# kernel at D = 128 (B8 H32/8: 0.245 vs 0.789 ms at 128K, 0.082 vs 0.256 ms at 32K) and loses
-# at D = 256 (Gemma-3 B8 32K: 0.110 vs 0.090 ms, kernels_session8_h200.json). At D = 64
-# (SmolLM2 B8 8K) it lost in session 5 (0.035 vs 0.031 ms) and won in sessions 6-8 (0.024
-# vs 0.031 in 8): Triton stays preferred there until `oscar generate` is rerun with it.
+# GPU time on the H200 (bench/results/kernels_h200.json): it beats the Triton kernel at
+# D = 128 (B8 H32/8, session 9: 0.227 vs 0.782 ms at 128K, 0.080 vs 0.252 ms at 32K) and at
+# D = 64 (SmolLM2 B8 8K: 0.022 vs 0.030 ms in session 9, faster in sessions 6-9), and loses at
+# D = 256 (Gemma-3 B8 32K: 0.096 vs 0.088 ms in session 9).
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates=True),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
                                                 and _mgpu_attention.device_supported()),
-         prefer=lambda spec, queries, group: spec.head_dim == 128)
+         prefer=lambda spec, queries, group: spec.head_dim <= 128)
