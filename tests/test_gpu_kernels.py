@@ -149,7 +149,7 @@ def test_dispatch_refuses_unsupported_specs():
     with pytest.raises(ValueError, match="does not support"):
         attention.resolve("pallas", spec4, 1, 4)
     assert attention.resolve("auto", spec4, 1, 4, backend="gpu") == "xla"
-    assert attention.resolve("auto", _spec(64, 64, "uniform", "bfloat16"), 1, 4, backend="gpu") == "pallas"
+    assert attention.resolve("auto", _spec(64, 32, "uniform", "bfloat16"), 1, 4, backend="gpu") == "pallas"  # G < D
     with pytest.raises(ValueError, match="group size"):
         cache_lib.write_prompt(cache_lib.OscarCache.init(spec_g8).layer(0),
                                jnp.ones((1, 4, 1, 64), jnp.bfloat16), jnp.ones((1, 4, 1, 64), jnp.bfloat16),
