@@ -38,10 +38,14 @@ shared memory with TMA, `buffers` steps deep. Only a split's last step masks (to
 the history, rows a tile moved back repeats). The V products' B operands are zero outside
 their slice's column block once, before the loop, so each step stores only the weights.
 
+The bf16 sink and recent ring are attended by the last history split of each (batch row,
+KV head), after its history, on bf16 MMAs in 64-token blocks (`_dense`), into one more
+partial; `schedule` makes that split's history shorter by about their time.
+
 Three launches per call: `decode_start` (one Triton kernel: the query rotation, the
 softmax scale and every query layout the MMAs need), this kernel, and `decode_finish` (one
-Triton kernel: the bf16 sink and recent ring, the merge of every partial and, at D <= 128,
-the back-rotation of the output; XLA rotates back at D = 256).
+Triton kernel: the merge of every partial and, at D <= 128, the back-rotation of the
+output; XLA rotates back at D = 256).
 
 Scope (`supports`): C = 1, D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata,
 g <= 8, packed history rows fewer than 64 (padded here) or a multiple of 64 (whole TMA
@@ -85,7 +89,11 @@ _SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fe
 _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
 _H200_SMS = 132  # the SM count where the device reports none (interpret mode, lowering)
 _REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16] (4 warps x 32 lanes x 4)
-_DENSE_TILE_COST = 0.8  # time of a 64-token bf16 block of the sink or ring, in 256-token history steps
+# Time of a 64-token bf16 block of the sink or ring, in 256-token history steps: session 8's
+# estimate (~2 us a block against ~2.4 us a step). The session-10 A/B puts it nearer 1.3 (the
+# 128K kernel 3.3 us longer), but 1.3, together with earlier first loads, timed the same
+# (bench/results/kernels_session10_h200.json, run 3).
+_DENSE_TILE_COST = 0.8
 
 
 def _int8_tiles(minor: int) -> tuple:
