@@ -171,10 +171,11 @@ register("pallas", kernel_attend(_gpu_attention.mixed_attention),
 
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
 
-# GPU time on the H200 (bench/results/kernels_h200.json): it beats the Triton kernel at
-# D = 128 (B8 H32/8, session 9: 0.227 vs 0.782 ms at 128K, 0.080 vs 0.252 ms at 32K) and at
-# D = 64 (SmolLM2 B8 8K: 0.022 vs 0.030 ms in session 9, faster in sessions 6-9), and loses at
-# D = 256 (Gemma-3 B8 32K: 0.096 vs 0.088 ms in session 9).
+# GPU time on the H200 (bench/results/kernels_h200.json, session 10): it beats the Triton
+# kernel at D = 128 (B8 H32/8: 0.220 vs 0.785 ms at 128K, 0.072 vs 0.256 ms at 32K) and at
+# D = 64 (SmolLM2 B8 8K: 0.021 vs 0.031 ms; faster in sessions 6-10). At D = 256 (Gemma-3 B8
+# 32K) it lost through session 9 (0.096 vs 0.088 ms); one session-10 run on a later tree gave
+# 0.082 vs 0.090 (kernels_session10_h200.json run 3): Triton stays preferred there until rerun.
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates=True),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
                                                 and _mgpu_attention.device_supported()),

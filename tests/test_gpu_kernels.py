@@ -327,14 +327,15 @@ def test_mgpu_attention_matches_reference(case, pattern):
                      rotates=True)
 
 
-def test_mgpu_sink_and_ring_match_reference():
-    """A production-size sink and a ring of 192 (the kernel's bf16 blocks of 64: 1 + 3, the
-    ring's taken by the last split after its history); lengths inside the sink, inside the
-    ring, on S0 + W and full. (A sink of 8, padded to a block: the other cases.)"""
-    sink = 64
-    spec = _spec(64, 64, "uniform", "bfloat16", sink=sink, window=192, hist=256)
+@pytest.mark.parametrize("sink,window", [(64, 192), (0, 100)])
+def test_mgpu_sink_and_ring_match_reference(sink, window):
+    """A production-size sink and a ring of 192 (the kernel's bf16 blocks of 64: 1 + 3, taken
+    by the last split after its history), and no sink with a ring of 100 (padded to 2 blocks;
+    the ring stands in for the sink's operands); lengths inside the sink, inside the ring, on
+    S0 + W and full. (A sink of 8, padded to a block: the other cases.)"""
+    spec = _spec(64, 64, "uniform", "bfloat16", sink=sink, window=window, hist=256)
     rng = np.random.default_rng([sink, 5])
-    lengths = np.array([1, sink + 70, sink + 192, spec.max_len], np.int32)
+    lengths = np.array([1, sink + 70, sink + window, spec.max_len], np.int32)
     _check_attention(rng, spec, 3, 1, lengths, kernel=mixed_attention_mgpu.mixed_attention, rotates=True)
 
 
@@ -353,7 +354,8 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
 
 def test_mgpu_schedule():
     """3 programs per block only where they outnumber one wave of 2 per SM (132 SMs off a
-    GPU); splits are the floor of target / (B x Hkv), within [1, tiles]."""
+    GPU), and then 2 TMA buffers only; splits are the floor of target / (B x Hkv), within
+    [1, tiles], sized over the history plus the sink and ring (`dense_blocks`)."""
     schedule = mixed_attention_mgpu.schedule
     assert schedule(64, 512, 128) == (3, 2, 86)  # B8 H8 128K: 6 splits, 384 programs in 128 blocks
     assert schedule(8, 512, 128) == (3, 2, 11)  # B1 128K: 49 splits
@@ -366,6 +368,9 @@ def test_mgpu_schedule():
     for bad in (0, 3):
         with pytest.raises(ValueError, match="warpgroups"):
             schedule(8, 4, 256 if bad else 128, warpgroups=bad)
+    for bad in (1, 3):  # several warpgroups share the code buffers' union only at depth 2
+        with pytest.raises(ValueError, match="buffers"):
+            schedule(64, 512, 128, warpgroups=3, buffers=bad)
 
 
 # (D, g, cols as slices_per_tile gives, partials, rotate)
@@ -414,7 +419,8 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     columns is query c % (8 / P) of column block c // (8 / P) (zeros in the other blocks and
     in padding columns), q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo within q_step / 2
     (+ the rare clipped q_lo), far under a bf16 rounding of q (a TF32 rotation fails); Σq
-    per column."""
+    per column; the bf16 hi + lo parts for the sink and ring (row r: column r % 8) as fine
+    as the int8 split."""
     rng = np.random.default_rng([d, g])
     b, hkv, scale = 3, 2, d ** -0.5
     q = jnp.asarray(rng.standard_normal((b, hkv * g, d)) * 3, jnp.float32)

@@ -158,8 +158,8 @@ def _level_values(codes: jax.Array, shift: int, bits: int, levels, mult: int) ->
     return val.astype(jnp.float32).astype(jnp.bfloat16)
 
 
-def f32_dot(a, b, contract_b: int, exact_f32: bool, contract_a: int = 1):
-    """a ([M, K] if contract_a == 1 else [K, M]) bf16 times b ([N, K] if contract_b == 1 else
+def f32_dot(a, b, contract_b: int, exact_f32: bool):
+    """a [M, K] bf16 times b ([N, K] if contract_b == 1 else
     [K, N]) bf16 -> f32 [M, N].
 
     exact_f32 widens the (bf16-valued) operands first: XLA:CPU, which runs the
@@ -168,7 +168,7 @@ def f32_dot(a, b, contract_b: int, exact_f32: bool, contract_a: int = 1):
     """
     if exact_f32:
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32,
+    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32,
                            precision=lax.Precision.HIGHEST if exact_f32 else None)
 
 

@@ -71,7 +71,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
-
 from oscar_jax.pallas_kernels import layout
 
 from . import decode_start as start
@@ -232,9 +231,9 @@ def _load_metadata(meta, t: int, packed: int) -> list:
 
 
 def _reduce_rows(x: jax.Array, kind: str, scratch, *, interpret: bool) -> jax.Array:
-    """f32 [R, 8] (WGMMA layout) -> [8]: max or sum over rows, i.e. across this warpgroup's
-    warps, through its own shared-memory scratch f32 [256] (Pallas's reduction scratch is one
-    buffer for the whole block: warpgroups reducing at once would race on it)."""
+    """f32 [R, N] (WGMMA layout, N = 8 or 16) -> [N]: max or sum over rows, i.e. across this
+    warpgroup's warps, through its own shared-memory scratch f32 [512] (Pallas's reduction
+    scratch is one buffer for the whole block: warpgroups reducing at once would race on it)."""
     if interpret:
         return x.max(axis=0) if kind == "max" else x.sum(axis=0)
 
@@ -567,7 +566,8 @@ def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: in
     target / (B x Hkv), at least 1, at most `tiles`; the tiles per split are those of the
     history plus the sink and ring (each block counted as `_DENSE_TILE_COST` tiles) over the
     splits, so that the last split's history is shorter by about the sink and ring's time.
-    buffers: 2 at 3 per block (204.7 against 208.1 us with 3, 128K kernel), else 3."""
+    buffers: 2 at 3 per block (204.7 against 208.1 us with 3, 128K kernel; and the only
+    depth there: see `mixed_attention`'s shared-memory union), else 3."""
     sms = _sm_count()
     split = lambda target: max(1, min(tiles, target // rows_and_heads))
     if warpgroups is None:
@@ -578,6 +578,9 @@ def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: in
                          "(shared memory holds one such program per block)")
     if buffers is None:
         buffers = 2 if warpgroups > 1 else 3
+    if buffers < 1 or (warpgroups > 1 and buffers != 2):
+        raise ValueError(f"buffers={buffers} at warpgroups={warpgroups}: expected >= 1, and 2 with several "
+                         "warpgroups (the sink and ring's buffers then overlay each warpgroup's own code buffers)")
     if target_programs is None:
         target_programs = warpgroups * sms if warpgroups > 1 else 2 * sms if head_dim <= 128 else 1024
     work = tiles + math.ceil(_DENSE_TILE_COST * dense_blocks)
@@ -679,7 +682,10 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
                    plgpu.SMEM((wgs, 4 * _N, d), jnp.bfloat16, transforms=_bf16_tiles(d)),  # [q_hi; q_lo]
                    plgpu.SMEM((wgs, 2 * _N), jnp.float32))  # lse
     scratch = dict(
-        codes=plgpu.RefUnion(history_codes, dense_tiles),  # the history's loop, then the sink and ring
+        # The history's loop, then the sink and ring. The union overlays the two groups as
+        # wholes; a warpgroup's dense K / V lie over its own code buffers only because both
+        # strides are 128 D bytes (2 buffers: `schedule` holds several warpgroups to that).
+        codes=plgpu.RefUnion(history_codes, dense_tiles),
         q_smem=plgpu.SMEM((wgs, packed, 2 * _N, d), jnp.int8, transforms=_int8_tiles(d)),  # blocks x [hi; lo]
         qcol_smem=plgpu.SMEM((wgs, 2, _ROWS, _N), jnp.float32),
         meta_smem=plgpu.SMEM((wgs, buffers, 4, _TPB, _ROWS), jnp.bfloat16),
@@ -708,10 +714,10 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     )
     o_t, lse2 = kernel(lengths.astype(jnp.int32), q_blocks, qcol, q_dense.reshape(b, hkv, 4 * _N, d), codes_k,
                        codes_v, *meta, *segments)
-    # The merge of every (split, column block) partial, and the back-rotation: fused at D <= 128; at D = 256 a fused rotation makes each of
-    # decode_finish's channel blocks merge all 256 channels of 128 splits, so XLA rotates
-    # there (Gemma-3 B8 32K on the H200: 0.110 ms so, 0.162 fused with a merge of one split
-    # per step; bench/results/kernels_session8_h200.json, kernels_h200.json).
+    # The merge of every (split or sink / ring, column block) partial, and the back-rotation:
+    # fused at D <= 128; at D = 256 a fused rotation makes each of decode_finish's channel
+    # blocks merge all 256 channels of every partial, so XLA rotates there (Gemma-3 B8 32K on
+    # the H200, session 8: 0.110 ms so, 0.162 fused; bench/results/kernels_session8_h200.json).
     fused_rot = output_rot if d <= 128 else None
     o, lse = decode_finish(o_t, lse2, g=g, cols=cols, output_rot=fused_rot, interpret=interpret)
     if output_rot is not None and fused_rot is None:
