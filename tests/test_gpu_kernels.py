@@ -49,7 +49,7 @@ ATTN_CONFIGS = [
     (256, 1, 7, 256, "lloyd_max", "float32"),
     (256, 3, 64, 128, "uniform", "bfloat16"),
 ]
-N_PATTERNS = 5  # batches of 3 boundary lengths each: every one of the 11 appears (4 would do)
+N_PATTERNS = 4  # batches of 3 boundary lengths each: every one of the 11 appears
 
 
 def _spec(d, g_size, codebook, scale_dtype, *, batch=BATCH, sink=SINK, window=WINDOW, hist=HIST,
