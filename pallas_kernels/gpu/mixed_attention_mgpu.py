@@ -247,6 +247,13 @@ def _reduce_rows(x: jax.Array, kind: str, scratch, *, interpret: bool) -> jax.Ar
     return reduce(x, scratch)
 
 
+def _dense_blocks(sink: int, window: int) -> tuple[int, int]:
+    """(sink blocks, all blocks) of 64 tokens of the bf16 sink and ring, each padded to whole
+    blocks."""
+    sink_blocks = -(-sink // _ROWS)
+    return sink_blocks, sink_blocks + -(-window // _ROWS)
+
+
 def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem, lse16_smem,
            bars, reduce_rows, g: int, sink: int, window: int):
     """The bf16 sink and ring of one (batch row, KV head) in blocks of 64 tokens (both padded
@@ -259,8 +266,7 @@ def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem
     segments: (sink K, sink V, ring K, ring V) refs (the ring stands in for an empty sink)."""
     sk_ref, sv_ref, rk_ref, rv_ref = segments
     d = k_smem.shape[-1]
-    sink_blocks = -(-sink // _ROWS)
-    total = sink_blocks + -(-window // _ROWS)
+    sink_blocks, total = _dense_blocks(sink, window)
     q_bar, k_bar, v_bar = bars
 
     def issue(i, which):
@@ -657,7 +663,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     # of 64; the defaults, 64 and 256, are); no sink: the ring stands in (unread).
     whole = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -x.shape[2] % _ROWS), (0, 0))) if x.shape[2] % _ROWS else x
     segments = [whole(x) for x in ((sink_k, sink_v) if sink else (recent_k, recent_v)) + (recent_k, recent_v)]
-    dense_blocks = -(-sink // _ROWS) + -(-window // _ROWS)
+    dense_blocks = _dense_blocks(sink, window)[1]
 
     codes_k, codes_v = hist_codes_k, hist_codes_v
     meta = [x.reshape(b, hkv, _TPB, rows) for x in (hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v)]
