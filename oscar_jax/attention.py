@@ -31,23 +31,21 @@ def _always(spec: CacheSpec, queries: int, group: int) -> bool:
 
 
 # Kernel implementations register here: name -> (fn(q, cache, params, softmax_scale=...),
-# supports: the calls it handles, prefer: the supported calls "auto" should give it).
-_IMPLEMENTATIONS: dict[str, tuple[AttendFn, SupportsFn, SupportsFn]] = {
-    "xla": (reference.attend, _always, _always)}
+# supports: the calls it handles).
+_IMPLEMENTATIONS: dict[str, tuple[AttendFn, SupportsFn]] = {"xla": (reference.attend, _always)}
 _KNOWN = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu")
 # What "auto" tries per backend, best first.
 _AUTO_ORDER = {"gpu": ("pallas_mosaic_gpu", "pallas", "xla"), "tpu": ("pallas_tpu", "xla"), "cpu": ("xla",)}
 
 
-def register(name: str, fn: AttendFn, supports: SupportsFn = _always, prefer: SupportsFn = _always) -> None:
+def register(name: str, fn: AttendFn, supports: SupportsFn = _always) -> None:
     """Make a kernel implementation available under `name` (one of the known names).
 
-    supports(spec, C, g): the calls it can run; prefer(spec, C, g): among those, the ones
-    where "auto" should pick it over the implementations after it (where it was measured
-    faster)."""
+    supports(spec, C, g): the calls it can run; "auto" takes the first of `_AUTO_ORDER` (the
+    order of the measured speeds) that supports the call."""
     if name not in _KNOWN:
         raise ValueError(f"implementation name {name!r}: expected one of {_KNOWN}")
-    _IMPLEMENTATIONS[name] = (fn, supports, prefer)
+    _IMPLEMENTATIONS[name] = (fn, supports)
 
 
 def available() -> tuple[str, ...]:
@@ -61,8 +59,7 @@ def resolve(implementation: str, spec: CacheSpec, queries: int, group: int,
     if implementation == "auto":
         backend = backend or jax.default_backend()
         for name in _AUTO_ORDER.get(backend, ("xla",)):
-            if name in _IMPLEMENTATIONS and all(
-                    check(spec, queries, group) for check in _IMPLEMENTATIONS[name][1:]):
+            if name in _IMPLEMENTATIONS and _IMPLEMENTATIONS[name][1](spec, queries, group):
                 return name
     if implementation not in _KNOWN:
         raise ValueError(f"implementation={implementation!r}: expected 'auto' or one of {_KNOWN}")
@@ -171,12 +168,11 @@ register("pallas", kernel_attend(_gpu_attention.mixed_attention),
 
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
 
-# GPU time on the H200 (bench/results/kernels_h200.json, session 10): it beats the Triton
-# kernel at D = 128 (B8 H32/8: 0.220 vs 0.785 ms at 128K, 0.072 vs 0.256 ms at 32K) and at
-# D = 64 (SmolLM2 B8 8K: 0.021 vs 0.031 ms; faster in sessions 6-10). At D = 256 (Gemma-3 B8
-# 32K) it lost through session 9 (0.096 vs 0.088 ms); one session-10 run on a later tree gave
-# 0.082 vs 0.090 (kernels_session10_h200.json run 3): Triton stays preferred there until rerun.
+# GPU time on the H200: it beats the Triton kernel at every D it takes. D = 128 (B8 H32/8,
+# bench/results/kernels_h200.json, session 10): 0.220 vs 0.785 ms at 128K, 0.072 vs 0.256 ms at
+# 32K; D = 64 (SmolLM2 B8 8K): 0.021 vs 0.031 ms; D = 256 (Gemma-3 B8 32K; it lost through
+# session 9, 0.096 vs 0.088): 0.082 vs 0.090 in session 10 and 0.082 vs 0.088 in session 11
+# (bench/results/kernels_session10_h200.json run 3, kernels_session11_h200.json).
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates=True),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
-                                                and _mgpu_attention.device_supported()),
-         prefer=lambda spec, queries, group: spec.head_dim <= 128)
+                                                and _mgpu_attention.device_supported()))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from cache_oracle import random_kv, signed_permutation
 from oscar_jax import attention, quant, reference
@@ -300,15 +301,18 @@ def _lower_for_h200(fn, args):
 # memory, the unpacking and the transposed weight store as array ops); `test_mgpu_lowers_for_cuda`
 # runs the Python side of its sm_90 compilation (layouts, wgmma and TMA checks) without a GPU.
 
-MGPU_CASES = [  # (D, g, history tokens, target programs: 8 -> one split of many steps)
-    (128, 4, 1024, 8), (128, 1, 1024, 64), (128, 3, 100, 8), (128, 8, 480, 32), (128, 4, 992, 1024),
-    (64, 3, 1024, 8), (256, 4, 1024, 16), (256, 1, 480, 8)]
+# (D, g, history tokens, target programs: 8 -> one piece of many steps per (row, head) pair;
+# 10, 12, 14 -> programs that span two pairs, with a sink and ring between their pieces, and
+# pairs of 2 and of 3 partials)
+MGPU_CASES = [
+    (128, 4, 1024, 12), (128, 1, 1024, 64), (128, 3, 100, 8), (128, 8, 480, 32), (128, 4, 992, 1024),
+    (64, 3, 1024, 10), (256, 4, 1024, 14), (256, 1, 480, 8)]
 
 
 # Boundary patterns 2 (lengths just past S0 + W: histories of 0, 1, 3 tokens) and 3 (full,
 # full - 1, and length 1): both at every D (at D = 256 across two cases) and at
 # slices_per_tile 4 (g = 1) and 2 (g = 3, g = 4), one per case elsewhere. MGPU_CASES[0] runs
-# compiled only (pytest -m gpu); its one split of 4 steps is D = 64's here.
+# compiled only (pytest -m gpu); its programs spanning two pairs are D = 64's and D = 256's here.
 MGPU_RUNS = [(MGPU_CASES[1], 2), (MGPU_CASES[1], 3), (MGPU_CASES[2], 2), (MGPU_CASES[3], 3),
              (MGPU_CASES[4], 3), (MGPU_CASES[5], 2), (MGPU_CASES[5], 3), (MGPU_CASES[6], 2),
              (MGPU_CASES[7], 3)]
@@ -354,23 +358,63 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
 
 def test_mgpu_schedule():
     """3 programs per block only where they outnumber one wave of 2 per SM (132 SMs off a
-    GPU), and then 2 TMA buffers only; splits are the floor of target / (B x Hkv), within
-    [1, tiles], sized over the history plus the sink and ring (`dense_blocks`)."""
+    GPU), and then 2 TMA buffers only; the work line cut into the fewest units per program
+    that make at most the target."""
     schedule = mixed_attention_mgpu.schedule
-    assert schedule(64, 512, 128) == (3, 2, 86)  # B8 H8 128K: 6 splits, 384 programs in 128 blocks
-    assert schedule(8, 512, 128) == (3, 2, 11)  # B1 128K: 49 splits
-    assert schedule(256, 128, 128) == (1, 3, 128)  # B32 32K: one split each, 2 per SM
-    assert schedule(64, 1, 128) == (1, 3, 1)  # short histories: few programs
-    assert schedule(8, 128, 256) == (1, 3, 1)  # D = 256: one per block, 1024 programs
-    assert schedule(64, 512, 128, warpgroups=1, buffers=2, target_programs=128) == (1, 2, 256)
-    assert schedule(64, 120, 128) == (3, 2, 20)  # 6 splits of 20 tiles
-    assert schedule(64, 120, 128, dense_blocks=5) == (3, 2, 21)  # the sink and ring count as 4 tiles
+    loads = lambda line: np.diff(line.bounds)
+    wg, buffers, line = schedule(64, 512, 128, dense_blocks=5)  # B8 H8 128K: 394 of 396 slots
+    assert (wg, buffers, line.dense, line.programs, loads(line).max()) == (3, 2, 4, 394, 84)
+    wg, buffers, line = schedule(8, 512, 128, dense_blocks=5)  # B1 128K
+    assert (wg, line.programs, loads(line).max()) == (3, 376, 11)
+    wg, buffers, line = schedule(64, 1, 128, dense_blocks=5)  # short histories: few programs, 1 a block
+    assert (wg, buffers, line.programs) == (1, 3, 128)
+    wg, buffers, line = schedule(8, 128, 256, dense_blocks=5)  # D = 256: one a block, at most 1024
+    assert (wg, buffers, line.programs, loads(line).max()) == (1, 3, 520, 4)
+    wg, buffers, line = schedule(64, 512, 128, warpgroups=1, buffers=2, target_programs=128)
+    assert (wg, buffers, line.programs, loads(line).max()) == (1, 2, 128, 256)
     for bad in (0, 3):
         with pytest.raises(ValueError, match="warpgroups"):
             schedule(8, 4, 256 if bad else 128, warpgroups=bad)
     for bad in (1, 3):  # several warpgroups share the code buffers' union only at depth 2
         with pytest.raises(ValueError, match="buffers"):
             schedule(64, 512, 128, warpgroups=3, buffers=bad)
+    with pytest.raises(ValueError, match="per_program"):
+        mixed_attention_mgpu.WorkLine.cut(4, 3, 2, 6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.integers(1, 40), tiles=st.integers(1, 60), dense=st.integers(0, 6), data=st.data())
+def test_work_line_covers_every_unit_once(pairs, tiles, dense, data):
+    """WorkLine against a direct enumeration: every history tile of every pair is in exactly
+    one program's piece and every sink and ring in exactly one program, never cut; programs
+    touch at most two pairs and take at most per_program units (more only for a sink and ring
+    longer than that); a pair's pieces take partials 0, 1, ... in program order and its sink
+    and ring the last of its `tables` count."""
+    unit = tiles + dense
+    per_program = data.draw(st.integers(1, unit))
+    line = mixed_attention_mgpu.WorkLine.cut(pairs, tiles, dense, per_program)
+    bounds, first, counts = line.tables()
+    seen_tiles = np.zeros((pairs, tiles), int)
+    dense_at = np.full(pairs, -1)
+    parts = [[] for _ in range(pairs)]
+    for k in range(line.programs):
+        u0, u1 = int(bounds[k]), int(bounds[k + 1])
+        assert u1 > u0 and (u1 - u0 <= per_program or u1 - u0 <= dense)
+        n = int(line.pieces(np.int64(u0), np.int64(u1)))
+        touched = {u // unit for u in range(u0, u1)}
+        assert n == len(touched) <= 2
+        for i in range(n):
+            pair, owns, t_begin, t_end = (int(x) for x in line.piece(u0, u1, i))
+            assert pair == min(touched) + i
+            if owns:
+                assert dense_at[pair] == -1 and pair * unit + dense <= u1
+                dense_at[pair] = k
+            if t_end > t_begin:
+                seen_tiles[pair, t_begin:t_end] += 1
+                parts[pair].append(k - first[pair])
+    assert (seen_tiles == 1).all() and (dense_at >= 0).all()
+    for pair in range(pairs):
+        assert parts[pair] == list(range(counts[pair] - 1))
 
 
 # (D, g, cols as slices_per_tile gives, partials, rotate)
@@ -384,7 +428,8 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     o_rot · R^T per KV head when the output rotation is given (to 1e-4: compiled, finer than
     a TF32 rotation's ~5e-4). The partials take two merge steps at D = 256, the second
     ragged (one masked step elsewhere). Query 0's lses lie 200 above the others, so a global
-    rather than per-query max underflows."""
+    rather than per-query max underflows. Each (row, head) uses its first `counts` partials
+    (the work line's pieces); the rest hold NaN and must be left unread."""
     rng = np.random.default_rng([d, g, splits])
     b, hkv = 4, 2
     o_t = jnp.asarray(rng.standard_normal((b, hkv, splits, d, 8)), jnp.float32)
@@ -392,12 +437,18 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     lse2 += 200.0 * (np.arange(8) % cols == 0)  # query 0 far above the others (2^-200: 0 in f32)
     lse2[0] = -np.inf  # row 0: nothing seen at all
     lse2[:, :, 0, :4] = -np.inf  # some empty partials
+    counts = rng.integers(1, splits + 1, (b, hkv)).astype(np.int32)
+    counts[1, 0] = splits
+    unused = np.arange(splits)[None, None, :] >= counts[:, :, None]  # [B, Hkv, S]
+    poisoned = jnp.where(unused[..., None, None], jnp.nan, o_t)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
-    o, lse = decode_finish.decode_finish(o_t, jnp.asarray(lse2), cols=cols, g=g, output_rot=rot, interpret=interpret)
+    o, lse = decode_finish.decode_finish(poisoned, jnp.asarray(np.where(unused[..., None], np.nan, lse2)), cols=cols,
+                                         g=g, counts=jnp.asarray(counts), output_rot=rot, interpret=interpret)
     assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g)
 
     hi = jax.lax.Precision.HIGHEST
     owner = np.arange(8) % cols  # the query of each partial column
+    lse2 = np.where(unused[..., None], -np.inf, lse2)  # the oracle sees only the used partials
     for i in range(g):
         scores = jnp.asarray(lse2 * np.log(2.0))[..., owner == i].reshape(b, hkv, -1)  # natural base
         values = jnp.moveaxis(o_t[..., owner == i], -1, -2).reshape(b, hkv, -1, d)
@@ -478,14 +529,12 @@ def test_mgpu_refuses_what_it_does_not_handle():
 
 
 def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
-    """"auto" on a GPU: the Mosaic GPU kernel for decode at D = 64 and 128 (where it was
-    measured faster), the Triton kernel for extend (C > 1), g > 8, D = 256, or a GPU that is
-    not sm_90."""
+    """"auto" on a GPU: the Mosaic GPU kernel for decode at D = 64, 128 and 256 (where it was
+    measured faster), the Triton kernel for extend (C > 1), g > 8, or a GPU that is not sm_90."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1536)
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas_mosaic_gpu"
     d256 = _spec(256, 256, "uniform", "bfloat16", hist=1536)
-    assert attention.resolve("auto", d256, 1, 4, backend="gpu") == "pallas"
-    assert attention.resolve("pallas_mosaic_gpu", d256, 1, 4) == "pallas_mosaic_gpu"
+    assert attention.resolve("auto", d256, 1, 4, backend="gpu") == "pallas_mosaic_gpu"
     assert attention.resolve("auto", spec, 7, 4, backend="gpu") == "pallas"
     assert attention.resolve("auto", spec, 1, 16, backend="gpu") == "pallas"
     d64 = _spec(64, 64, "uniform", "bfloat16", hist=1536)

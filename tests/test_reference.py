@@ -1,5 +1,7 @@
 """Reference attention against an independent dense float64 computation."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,15 +29,14 @@ def _dense_attention(q, keys, values, n, scale):
     return o, lse
 
 
-@pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("g", [1, 3])
 @pytest.mark.parametrize("quant_cfg", [QuantConfig(bits=2), QuantConfig(bits=2, group_size=8),
                                        QuantConfig(bits=2, codebook="lloyd_max")], ids=str)
 @pytest.mark.parametrize("v_folded,shift", [(False, False), (True, False), (False, True)])
-def test_reference_matches_dense_masked_attention(seed, g, quant_cfg, v_folded, shift):
+def test_reference_matches_dense_masked_attention(g, quant_cfg, v_folded, shift):
     """shift: the cache stores k - k_shift; attention must still equal dense attention
-    over the true keys (output and log-sum-exp)."""
-    rng = np.random.default_rng(seed)
+    over the true keys (output and log-sum-exp). Fresh random data per case."""
+    rng = np.random.default_rng([g, v_folded, shift, zlib.crc32(repr(quant_cfg).encode())])
     b, h, d = 3, 2, 16
     spec = CacheSpec(num_layers=1, batch=b, kv_heads=h, head_dim=d, max_len=64, sink=4, window=8,
                      quant=quant_cfg)

@@ -2,8 +2,9 @@
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
-Per (batch row, KV head) the Mosaic GPU kernel (`mixed_attention_mgpu`) leaves S partials
-(the history splits, and one more for the bf16 sink and ring): o^T [D, 8] normalised and
+Per (batch row, KV head) the Mosaic GPU kernel (`mixed_attention_mgpu`) leaves up to S
+partials (its history pieces, and one more for the bf16 sink and ring; `counts` says how
+many each has): o^T [D, 8] normalised and
 its log-sum-exp in base 2, column c for query c % cols (column blocks of packed token
 slices; -inf where a partial saw nothing). One program per (batch row, KV head, block of 64
 output channels) merges the partials elementwise in f32 (pass 1: each query's largest lse;
@@ -39,10 +40,11 @@ def _pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def _kernel(ot_ref, lse_ref, *refs, g: int, cols: int, rotate: bool, interpret: bool):
+def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, rotate: bool, interpret: bool):
     rot_ref, o_ref, lse_out_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
     splits, d = ot_ref.shape[2], ot_ref.shape[3]
+    used = counts_ref[b, h]  # partials 0 .. used - 1 hold data
     db = min(d, _D_BLOCK)
     out_cols = pl.program_id(2) * db + jnp.arange(db)  # this program's output channels
     mcol = jnp.arange(d) if rotate else out_cols  # the channels it merges
@@ -56,7 +58,7 @@ def _kernel(ot_ref, lse_ref, *refs, g: int, cols: int, rotate: bool, interpret: 
     # Pass 1: each query's largest log-sum-exp, per partial column.
     s_ids = jnp.arange(_pow2(splits))
     lses = plgpu.load(lse_ref.at[b, h, jnp.minimum(s_ids, splits - 1)[:, None], p8[None, :]],
-                      mask=(s_ids < splits)[:, None], other=-jnp.inf)  # [S_pad, 8]
+                      mask=(s_ids < used)[:, None], other=-jnp.inf)  # [S_pad, 8]
     col_top = jnp.max(lses, axis=0)
     top = finite(jnp.max(jnp.where(same, col_top[None, :], -jnp.inf), axis=1))  # per partial column
     top_q = finite(jnp.max(jnp.where(owns, col_top[:, None], -jnp.inf), axis=0))  # per query column
@@ -69,7 +71,7 @@ def _kernel(ot_ref, lse_ref, *refs, g: int, cols: int, rotate: bool, interpret: 
     def merge(i, carry):
         acc, l = carry
         s_idx = i * chunk + ks
-        ok = s_idx < splits
+        ok = s_idx < used
         s_safe = jnp.minimum(s_idx, splits - 1)
         lse_k = plgpu.load(lse_ref.at[b, h, s_safe[:, None], p8[None, :]], mask=ok[:, None], other=-jnp.inf)
         w = jnp.exp2(lse_k - top[None, :])  # [chunk, 8]
@@ -92,11 +94,13 @@ def _kernel(ot_ref, lse_ref, *refs, g: int, cols: int, rotate: bool, interpret: 
     plgpu.store(lse_out_ref.at[b, h, queries], lse)  # the same in every channel block
 
 
-def decode_finish(o_t, lse2, *, cols: int, g: int, output_rot=None, interpret: bool = False):
+def decode_finish(o_t, lse2, *, cols: int, g: int, counts=None, output_rot=None, interpret: bool = False):
     """Merge the partials, rotate back.
 
     o_t: f32 [B, Hkv, S, D, 8] normalised partials, column c for query c % cols; lse2: f32
-    [B, Hkv, S, 8] their log-sum-exp in base 2 (-inf: nothing seen); output_rot: f32 [Hkv, D,
+    [B, Hkv, S, 8] their log-sum-exp in base 2 (-inf: nothing seen); counts: int32 [B, Hkv],
+    the partials each (row, head) has, its first ones (the rest unread, any bits), or None
+    (all S); output_rot: f32 [Hkv, D,
     D] or None (o = o_rot · output_rot[h]^T when given; each channel block then merges all D,
     which the Mosaic GPU path does only at D <= 128). Returns (o f32 [B, Hkv, g, D], lse f32
     [B, Hkv, g], natural base).
@@ -107,8 +111,12 @@ def decode_finish(o_t, lse2, *, cols: int, g: int, output_rot=None, interpret: b
                          "[B, Hkv, S, D, 8], [B, Hkv, S, 8] and 1 <= g <= cols <= 8")
     if output_rot is not None and output_rot.shape != (hkv, d, d):
         raise ValueError(f"output_rot.shape={output_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
+    if counts is None:
+        counts = jnp.full((b, hkv), splits, jnp.int32)
+    elif counts.shape != (b, hkv) or counts.dtype != jnp.int32:
+        raise ValueError(f"counts: {counts.dtype} {counts.shape}, expected int32 [B={b}, Hkv={hkv}]")
     rotate = output_rot is not None
-    arrays = (o_t, lse2, *((output_rot.astype(jnp.float32),) if rotate else ()))
+    arrays = (o_t, lse2, counts, *((output_rot.astype(jnp.float32),) if rotate else ()))
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), jnp.float32), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     return pl.pallas_call(

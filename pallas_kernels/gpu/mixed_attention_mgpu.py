@@ -31,16 +31,19 @@ With g <= 4 (at D <= 128) several token slices share one [64, 8] score tile, eac
 own block of columns (`slices_per_tile`): q sits block-diagonally in the B operand, and
 each column block is one more partial softmax for the merge, so padding columns do no work.
 
-One program per (batch row, KV head, history split), one warpgroup, `warpgroups` of them
-per block (3 where there are enough programs: 3 per SM; `schedule`); each step moves 64
-packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their metadata into
-shared memory with TMA, `buffers` steps deep. Only a split's last step masks (tokens past
-the history, rows a tile moved back repeats). The V products' B operands are zero outside
-their slice's column block once, before the loop, so each step stores only the weights.
+Work is split stream-K style (`WorkLine`): every (batch row, KV head) pair's sink and ring
+and then its 256-token history tiles laid end to end and cut into programs of equal work
+(~3 x the SM count), so a program takes a piece of one or two pairs (each piece one
+partial) and every SM is busy to the end, whatever B x Hkv is. One warpgroup a program,
+`warpgroups` of them per block (3 where there are enough programs: 3 per SM; `schedule`);
+each step moves 64 packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their
+metadata into shared memory with TMA, `buffers` steps deep. Only a piece's last step masks
+(tokens past the history, rows a tile moved back repeats). The V products' B operands are
+zero outside their slice's column block once, before the loop, so each step stores only
+the weights.
 
-The bf16 sink and recent ring are attended by the last history split of each (batch row,
-KV head), after its history, on bf16 MMAs in 64-token blocks (`_dense`), into one more
-partial; `schedule` makes that split's history shorter by about their time.
+A pair's bf16 sink and recent ring are attended by the program that holds their units, on
+bf16 MMAs in 64-token blocks (`_dense`), into one more partial (never cut: `WorkLine.cut`).
 
 Three launches per call: `decode_start` (one Triton kernel: the query rotation, the
 softmax scale and every query layout the MMAs need), this kernel, and `decode_finish` (one
@@ -57,6 +60,7 @@ store use array ops; `pytest -m gpu` runs the compiled forms.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -88,10 +92,10 @@ _SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fe
 _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
 _H200_SMS = 132  # the SM count where the device reports none (interpret mode, lowering)
 _REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16] (4 warps x 32 lanes x 4)
-# Time of a 64-token bf16 block of the sink or ring, in 256-token history steps: session 8's
-# estimate (~2 us a block against ~2.4 us a step). The session-10 A/B puts it nearer 1.3 (the
-# 128K kernel 3.3 us longer), but 1.3, together with earlier first loads, timed the same
-# (bench/results/kernels_session10_h200.json, run 3).
+# Work of a 64-token bf16 block of the sink or ring, in 256-token history steps (work-line
+# units): session 8's estimate (~2 us a block against ~2.4 us a step). The session-10 A/B puts
+# it nearer 1.3 (the 128K kernel 3.3 us longer), but 1.3, together with earlier first loads,
+# timed the same (bench/results/kernels_session10_h200.json, run 3).
 _DENSE_TILE_COST = 0.8
 
 
@@ -334,18 +338,20 @@ def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem
     lse16_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _kernel(n_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
+def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes, q_smem, qcol_smem, meta_smem, w_smem,
             o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, stage_k=None, stage_v=None,
-            split_rows: int, hist_rows: int, hist_tokens: int, head_dim: int, packed: int, buffers: int,
-            sink: int, window: int, g: int, kv_heads: int, splits: int, programs: int, warpgroups: int,
-            interpret: bool):
-    # Program (row b, KV head h, split sp) = warpgroup wg of block `block`; the last block's
-    # spare warpgroups compute the last program again and write nothing.
+            line: "WorkLine", hist_rows: int, hist_tokens: int, head_dim: int, packed: int, buffers: int,
+            sink: int, window: int, g: int, kv_heads: int, warpgroups: int, interpret: bool):
+    # Program k = warpgroup wg of block `block` takes units [bounds[k], bounds[k + 1]) of the
+    # work line (`WorkLine`; its tables: bounds, each pair's first program and its partials):
+    # pieces of one or two (batch row, KV head) pairs. The last block's spare warpgroups
+    # compute the last program again and write nothing.
     wg = lax.axis_index("wg") if warpgroups > 1 else 0
     flat = lax.axis_index("block") * warpgroups + wg
-    program = jnp.minimum(flat, programs - 1)
-    b, h, sp = program // (kv_heads * splits), program // splits % kv_heads, program % splits
+    program = jnp.minimum(flat, line.programs - 1)
+    writes = flat < line.programs
+    u0, u1 = bounds_ref[program], bounds_ref[program + 1]
     (ck_smem, cv_smem), dense_smem = codes  # the history's code buffers, or the sink / ring's
     q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem = (
         ref.at[wg] for ref in (q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem))
@@ -356,15 +362,6 @@ def _kernel(n_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lo
     q_bar, all_tile_bars = q_bar.at[wg], tile_bars
     tile_bar = lambda slot: all_tile_bars.at[wg * buffers + slot]  # this warpgroup's TMA barriers
     n_tiles = _TPB // packed  # score tiles per step; tile t holds slices t * packed + j
-    n_hist = jnp.clip(n_ref[b] - sink - window, 0, hist_tokens)  # history tokens of this row (n_ref: lengths)
-    valid_rows = (n_hist + _TPB - 1) // _TPB
-    r_begin = sp * split_rows
-    r_end = jnp.minimum(r_begin + split_rows, valid_rows)
-    steps = (jnp.maximum(r_end - r_begin, 0) + _ROWS - 1) // _ROWS
-
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)  # q_hi, q_lo
-    plgpu.copy_gmem_to_smem(qcol_ref.at[b, h], qcol_smem, q_bar)  # q_step, Σq tiles
-    plgpu.barrier_wait(q_bar)
     tile = (_ROWS, _N)
     wgmma_layout = plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)  # one value per token
@@ -372,174 +369,197 @@ def _kernel(n_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lo
     by_row = lambda v: lax.broadcast_in_dim(v, tile, [0])
     row_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=wgmma_layout)
     col_block = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=wgmma_layout) // (_N // packed)
-    q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
-    q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
-    q_steps = []  # the raw scores of slice s come times _SLICE_SCALE[s] (`_slice_codes`, scaled)
-    for t in range(n_tiles):
-        factor = 1.0 / _SLICE_SCALE[t * packed]
-        for j in range(1, packed):
-            factor = jnp.where(col_block == j, 1.0 / _SLICE_SCALE[t * packed + j], factor)
-        q_steps.append(q_step * factor)
     codes_layout = None if interpret else plgpu.Layout.WGMMA_8BIT
     reduce_rows = functools.partial(_reduce_rows, scratch=red_smem, interpret=interpret)
-
-    def by_block(vectors):
-        """[64] per slice of a tile -> [64, 8]: column block j takes the vector of slice j."""
-        out = by_row(vectors[0])
-        for j in range(1, len(vectors)):
-            out = jnp.where(col_block == j, by_row(vectors[j]), out)
-        return out
-
-    def tile_start(i):
-        """First packed row of step i; the last tile is moved back to end at the array's end
-        (both multiples of 64: split_rows % 64 == hist_rows % 64 == 0, as the TMA of the
-        [D, 64]-tiled V codes needs)."""
-        r_nominal = r_begin + i * _ROWS
-        return r_nominal, jnp.minimum(r_nominal, hist_rows - _ROWS)
-
-    def issue(i, slot):
-        """TMA of step i's K codes [64, D], V codes [D, 64] and 4 metadata tiles into `slot`."""
-        r0 = tile_start(i)[1]
-        sources = [ck_ref.at[b, h, pl.ds(r0, _ROWS)], cv_ref.at[b, h, :, pl.ds(r0, _ROWS)]]
-        sources += [ref.at[b, h, :, pl.ds(r0, _ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
-        targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
-        for src, dst in zip(sources, targets):
-            plgpu.copy_gmem_to_smem(src, dst, tile_bar(slot))  # one arrival per copy
-
-    for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
-        pl.when(j < steps)(functools.partial(issue, j, j))
-
-    def a_operand(codes, s, stage, scaled=False):
-        """Slice s of a packed code tile as an MMA A operand: registers when compiled; staged
-        in shared memory when interpreted (the GPU interpreter takes no register operands)."""
-        x = _slice_codes(codes, s, scaled=scaled, interpret=interpret)
-        if not interpret:
-            return x
-        stage.at[s][...] = x
-        plgpu.commit_smem()
-        return stage.at[s]
-
-    def step(i, carry, *, last: bool):
-        """Step i; only the last step of a split masks (tokens past n_hist, and rows that a
-        tile moved back to the array's end repeats)."""
-        acc, m, l_part, lo_part = carry
-        slot = lax.rem(i, buffers)
-        ahead = i + buffers - 1  # into the buffer step i - 1 read (its data is in registers)
-        pl.when(ahead < steps)(lambda: issue(ahead, lax.rem(ahead, buffers)))
-
-        with jax.named_scope("tma_wait"):  # phases name the regions of a Mosaic GPU profile
-            plgpu.barrier_wait(tile_bar(slot))
-        r_nominal, r0 = tile_start(i)
-        packed_k = plgpu.load(ck_smem.at[slot], layout=codes_layout)  # [64, D]
-
-        def load_rest():
-            """V codes, metadata [64, 8] per tile (lo_k, scale_k, lo_v, scale_v; column block
-            j: slice t * packed + j) and the bound of w = p * scale_v (p <= 1), per column."""
-            packed_v = plgpu.load(cv_smem.at[slot], layout=codes_layout)  # [D, 64]
-            if interpret:
-                meta = [[by_block([plgpu.load(meta_smem.at[slot, k, t * packed + j], layout=row).astype(jnp.float32)
-                                   for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
-            else:
-                meta = [_load_metadata(meta_smem.at[slot], t, packed) for t in range(n_tiles)]
-            w_bound = reduce_rows(functools.reduce(jnp.maximum, [mt[3] for mt in meta]), "max")
-            return packed_v, meta, w_bound
-
-        def qk(*acc_refs):
-            """Per tile: its slices' codes times [q_hi | q_lo] placed in the slice's column block
-            (one N = 16 int8 MMA per slice into one [64, 16] accumulator per tile), waited on
-            once; the V codes and the metadata are loaded while the MMAs run."""
-            for t in range(n_tiles):
-                for j in range(packed):
-                    plgpu.wgmma(acc_refs[t], a_operand(packed_k, t * packed + j, stage_k, scaled=True),
-                                q_smem.at[j].T)
-            return [acc_ref[...] for acc_ref in acc_refs], load_rest()
-
-        with jax.named_scope("qk"):
-            accs, (packed_v, meta, w_bound) = pl.run_scoped(qk, *[plgpu.ACC((_ROWS, 2 * _N), jnp.int32)] * n_tiles)
-        with jax.named_scope("softmax"):
-            scores = []
-            for t in range(n_tiles):
-                lo_k, scale_k = meta[t][0], meta[t][1]
-                raw = (accs[t][:, :_N] * int(_Q_LO) + accs[t][:, _N:]).astype(jnp.float32)
-                sc = scale_k * (q_steps[t] * raw) + lo_k * q_sum
-                if last:
-                    fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
-                    token = _TPB * (r0 + row_ids) + t * packed + col_block
-                    sc = jnp.where(fresh & (token < n_hist), sc, -jnp.inf)
-                scores.append(sc)
-            m_new = jnp.maximum(m, reduce_rows(functools.reduce(jnp.maximum, scores), "max"))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if last else m_new  # finite if unmasked
-            alpha = jnp.exp2(m - m_use)
-            probs = [jnp.exp2(sc - by_col(m_use)) for sc in scores]
-            weights = [p * meta[t][3] for t, p in enumerate(probs)]
-        with jax.named_scope("w_store"):
-            w_inv = jnp.where(w_bound > 0, _W_MAX / jnp.where(w_bound > 0, w_bound, 1.0), 0.0)
-            w_step = w_bound * (1.0 / (_W_MAX * _W_LO))  # one unit of 254 w_hi + w_lo
-            w_tiles, w_errors = [], []
-            for t, w in enumerate(weights):  # B operands of the V products, K-major [16, 64] int8
-                x = w * by_col(w_inv)
-                w_hi = jnp.round(x)
-                w_lo = jnp.round((x - w_hi) * _W_LO)
-                w_tiles += [w_hi.astype(jnp.int32), w_lo.astype(jnp.int32)]
-                w_errors.append(w - (w_hi * _W_LO + w_lo) * by_col(w_step))
-            _store_weights(w_smem, w_tiles, cols=_N // packed, interpret=interpret)
-            plgpu.commit_smem()
-
-        def partial_sums(l_part, lo_part):
-            """Per-token partial sums, reduced over tokens once at the end; the rounding of w
-            is charged to code - 1.5."""
-            l_part, lo_part = l_part * by_col(alpha), lo_part * by_col(alpha)
-            for t, p in enumerate(probs):
-                l_part = l_part + p
-                lo_part = lo_part + p * meta[t][2] + _CODE_MID * w_errors[t]
-            return l_part, lo_part
-
-        def pv(acc_ref):
-            """out^T [D, 16] = V codes^T times [w_hi | w_lo], one N = 16 MMA per slice."""
-            for s in range(_TPB):
-                plgpu.wgmma(acc_ref, a_operand(packed_v, s, stage_v), w_smem.at[s].T)
-            sums = partial_sums(l_part, lo_part)  # while the MMAs run
-            return acc_ref[...], sums
-
-        with jax.named_scope("pv"):
-            pv_acc, sums = pl.run_scoped(pv, plgpu.ACC((head_dim, 2 * _N), jnp.int32))
-        pv_raw = (pv_acc[:, :_N] * int(_W_LO) + pv_acc[:, _N:]).astype(jnp.float32)
-        acc = acc * by_col(alpha, (head_dim, _N)) + pv_raw * by_col(w_step, (head_dim, _N))
-        return (acc, m_new, *sums)
-
     wgmma_tile = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
     _store_weights(w_smem, (wgmma_tile(tile).astype(jnp.int32),), cols=_N // packed, zero=True,
                    interpret=interpret)  # the zero columns of every V-product B operand
-    init = (wgmma_tile((head_dim, _N)),
-            plgpu.layout_cast(jnp.full((_N,), -jnp.inf, jnp.float32), wgmma_layout.reduce(0)),
-            wgmma_tile(tile), wgmma_tile(tile))
-    carry = lax.fori_loop(0, steps - 1, functools.partial(step, last=False), init)
-    acc, m, l_part, lo_part = lax.fori_loop(jnp.maximum(steps - 1, 0), steps,
-                                            functools.partial(step, last=True), carry)
-    l, lo_acc = reduce_rows(l_part, "sum"), reduce_rows(lo_part, "sum")
-    safe_l = jnp.where(l > 0, l, 1.0)
-    o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
-    lse_smem[...] = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)  # base 2
-    plgpu.commit_smem()
 
-    @pl.when(flat < programs)
-    def _():
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, sp])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, sp])
-        plgpu.wait_smem_to_gmem(0)
+    def history(b, h, t_begin, t_end, part):
+        """History tiles [t_begin, t_end) of pair (b, h) -> partial `part`."""
+        n_hist = jnp.clip(n_ref[b] - sink - window, 0, hist_tokens)  # history tokens of this row (n_ref: lengths)
+        valid_rows = (n_hist + _TPB - 1) // _TPB
+        r_begin = t_begin * _ROWS
+        r_end = jnp.minimum(t_end * _ROWS, valid_rows)
+        steps = (jnp.maximum(r_end - r_begin, 0) + _ROWS - 1) // _ROWS
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)  # q_hi, q_lo
+        plgpu.copy_gmem_to_smem(qcol_ref.at[b, h], qcol_smem, q_bar)  # q_step, Σq tiles
+        plgpu.barrier_wait(q_bar)
+        q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
+        q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
+        q_steps = []  # the raw scores of slice s come times _SLICE_SCALE[s] (`_slice_codes`, scaled)
+        for t in range(n_tiles):
+            factor = 1.0 / _SLICE_SCALE[t * packed]
+            for j in range(1, packed):
+                factor = jnp.where(col_block == j, 1.0 / _SLICE_SCALE[t * packed + j], factor)
+            q_steps.append(q_step * factor)
 
-    @pl.when(sp == splits - 1)  # the last split (the shortest; `schedule`) also takes the sink and ring
-    def _():
+        def by_block(vectors):
+            """[64] per slice of a tile -> [64, 8]: column block j takes the vector of slice j."""
+            out = by_row(vectors[0])
+            for j in range(1, len(vectors)):
+                out = jnp.where(col_block == j, by_row(vectors[j]), out)
+            return out
+
+        def tile_start(i):
+            """First packed row of step i; the last tile is moved back to end at the array's end
+            (both multiples of 64, as the TMA of the [D, 64]-tiled V codes needs)."""
+            r_nominal = r_begin + i * _ROWS
+            return r_nominal, jnp.minimum(r_nominal, hist_rows - _ROWS)
+
+        def issue(i, slot):
+            """TMA of step i's K codes [64, D], V codes [D, 64] and 4 metadata tiles into `slot`."""
+            r0 = tile_start(i)[1]
+            sources = [ck_ref.at[b, h, pl.ds(r0, _ROWS)], cv_ref.at[b, h, :, pl.ds(r0, _ROWS)]]
+            sources += [ref.at[b, h, :, pl.ds(r0, _ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
+            targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
+            for src, dst in zip(sources, targets):
+                plgpu.copy_gmem_to_smem(src, dst, tile_bar(slot))  # one arrival per copy
+
+        for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
+            pl.when(j < steps)(functools.partial(issue, j, j))
+
+        def a_operand(codes, s, stage, scaled=False):
+            """Slice s of a packed code tile as an MMA A operand: registers when compiled; staged
+            in shared memory when interpreted (the GPU interpreter takes no register operands)."""
+            x = _slice_codes(codes, s, scaled=scaled, interpret=interpret)
+            if not interpret:
+                return x
+            stage.at[s][...] = x
+            plgpu.commit_smem()
+            return stage.at[s]
+
+        def step(i, carry, *, last: bool):
+            """Step i; only the last step of a piece masks (tokens past n_hist, and rows that a
+            tile moved back to the array's end repeats)."""
+            acc, m, l_part, lo_part = carry
+            slot = lax.rem(i, buffers)
+            ahead = i + buffers - 1  # into the buffer step i - 1 read (its data is in registers)
+            pl.when(ahead < steps)(lambda: issue(ahead, lax.rem(ahead, buffers)))
+
+            with jax.named_scope("tma_wait"):  # phases name the regions of a Mosaic GPU profile
+                plgpu.barrier_wait(tile_bar(slot))
+            r_nominal, r0 = tile_start(i)
+            packed_k = plgpu.load(ck_smem.at[slot], layout=codes_layout)  # [64, D]
+
+            def load_rest():
+                """V codes, metadata [64, 8] per tile (lo_k, scale_k, lo_v, scale_v; column block
+                j: slice t * packed + j) and the bound of w = p * scale_v (p <= 1), per column."""
+                packed_v = plgpu.load(cv_smem.at[slot], layout=codes_layout)  # [D, 64]
+                if interpret:
+                    meta = [[by_block([plgpu.load(meta_smem.at[slot, k, t * packed + j], layout=row).astype(jnp.float32)
+                                       for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
+                else:
+                    meta = [_load_metadata(meta_smem.at[slot], t, packed) for t in range(n_tiles)]
+                w_bound = reduce_rows(functools.reduce(jnp.maximum, [mt[3] for mt in meta]), "max")
+                return packed_v, meta, w_bound
+
+            def qk(*acc_refs):
+                """Per tile: its slices' codes times [q_hi | q_lo] placed in the slice's column block
+                (one N = 16 int8 MMA per slice into one [64, 16] accumulator per tile), waited on
+                once; the V codes and the metadata are loaded while the MMAs run."""
+                for t in range(n_tiles):
+                    for j in range(packed):
+                        plgpu.wgmma(acc_refs[t], a_operand(packed_k, t * packed + j, stage_k, scaled=True),
+                                    q_smem.at[j].T)
+                return [acc_ref[...] for acc_ref in acc_refs], load_rest()
+
+            with jax.named_scope("qk"):
+                accs, (packed_v, meta, w_bound) = pl.run_scoped(qk, *[plgpu.ACC((_ROWS, 2 * _N), jnp.int32)] * n_tiles)
+            with jax.named_scope("softmax"):
+                scores = []
+                for t in range(n_tiles):
+                    lo_k, scale_k = meta[t][0], meta[t][1]
+                    raw = (accs[t][:, :_N] * int(_Q_LO) + accs[t][:, _N:]).astype(jnp.float32)
+                    sc = scale_k * (q_steps[t] * raw) + lo_k * q_sum
+                    if last:
+                        fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
+                        token = _TPB * (r0 + row_ids) + t * packed + col_block
+                        sc = jnp.where(fresh & (token < n_hist), sc, -jnp.inf)
+                    scores.append(sc)
+                m_new = jnp.maximum(m, reduce_rows(functools.reduce(jnp.maximum, scores), "max"))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if last else m_new  # finite if unmasked
+                alpha = jnp.exp2(m - m_use)
+                probs = [jnp.exp2(sc - by_col(m_use)) for sc in scores]
+                weights = [p * meta[t][3] for t, p in enumerate(probs)]
+            with jax.named_scope("w_store"):
+                w_inv = jnp.where(w_bound > 0, _W_MAX / jnp.where(w_bound > 0, w_bound, 1.0), 0.0)
+                w_step = w_bound * (1.0 / (_W_MAX * _W_LO))  # one unit of 254 w_hi + w_lo
+                w_tiles, w_errors = [], []
+                for t, w in enumerate(weights):  # B operands of the V products, K-major [16, 64] int8
+                    x = w * by_col(w_inv)
+                    w_hi = jnp.round(x)
+                    w_lo = jnp.round((x - w_hi) * _W_LO)
+                    w_tiles += [w_hi.astype(jnp.int32), w_lo.astype(jnp.int32)]
+                    w_errors.append(w - (w_hi * _W_LO + w_lo) * by_col(w_step))
+                _store_weights(w_smem, w_tiles, cols=_N // packed, interpret=interpret)
+                plgpu.commit_smem()
+
+            def partial_sums(l_part, lo_part):
+                """Per-token partial sums, reduced over tokens once at the end; the rounding of w
+                is charged to code - 1.5."""
+                l_part, lo_part = l_part * by_col(alpha), lo_part * by_col(alpha)
+                for t, p in enumerate(probs):
+                    l_part = l_part + p
+                    lo_part = lo_part + p * meta[t][2] + _CODE_MID * w_errors[t]
+                return l_part, lo_part
+
+            def pv(acc_ref):
+                """out^T [D, 16] = V codes^T times [w_hi | w_lo], one N = 16 MMA per slice."""
+                for s in range(_TPB):
+                    plgpu.wgmma(acc_ref, a_operand(packed_v, s, stage_v), w_smem.at[s].T)
+                sums = partial_sums(l_part, lo_part)  # while the MMAs run
+                return acc_ref[...], sums
+
+            with jax.named_scope("pv"):
+                pv_acc, sums = pl.run_scoped(pv, plgpu.ACC((head_dim, 2 * _N), jnp.int32))
+            pv_raw = (pv_acc[:, :_N] * int(_W_LO) + pv_acc[:, _N:]).astype(jnp.float32)
+            acc = acc * by_col(alpha, (head_dim, _N)) + pv_raw * by_col(w_step, (head_dim, _N))
+            return (acc, m_new, *sums)
+
+        init = (wgmma_tile((head_dim, _N)),
+                plgpu.layout_cast(jnp.full((_N,), -jnp.inf, jnp.float32), wgmma_layout.reduce(0)),
+                wgmma_tile(tile), wgmma_tile(tile))
+        carry = lax.fori_loop(0, steps - 1, functools.partial(step, last=False), init)
+        acc, m, l_part, lo_part = lax.fori_loop(jnp.maximum(steps - 1, 0), steps,
+                                                functools.partial(step, last=True), carry)
+        l, lo_acc = reduce_rows(l_part, "sum"), reduce_rows(lo_part, "sum")
+        safe_l = jnp.where(l > 0, l, 1.0)
+        o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
+        lse_smem[...] = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)  # base 2
+        plgpu.commit_smem()
+
+        @pl.when(writes)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, part])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, part])
+            plgpu.wait_smem_to_gmem(0)
+
+    def dense(b, h, part):
+        """The sink and ring of pair (b, h) -> partial `part`."""
         bars = (dense_bars.at[3 * wg], dense_bars.at[3 * wg + 1], dense_bars.at[3 * wg + 2])
         _dense(b, h, n_ref[b], qd_ref, (sk_ref, sv_ref, rk_ref, rv_ref), o_smem, bars=bars,
                reduce_rows=reduce_rows, g=g, sink=sink, window=window, **dense_smem)
         plgpu.commit_smem()
 
-        @pl.when(flat < programs)
+        @pl.when(writes)
         def _():
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, splits])
-            plgpu.copy_smem_to_gmem(dense_smem["lse16_smem"].at[pl.ds(0, _N)], lse_ref.at[b, h, splits])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, part])
+            plgpu.copy_smem_to_gmem(dense_smem["lse16_smem"].at[pl.ds(0, _N)], lse_ref.at[b, h, part])
             plgpu.wait_smem_to_gmem(0)
+
+    def piece(i):
+        """This program's i-th pair: its sink and ring where their units are this program's,
+        then its history tiles here (both none where the units lie elsewhere)."""
+        pair, owns_dense, t_begin, t_end = line.piece(u0, u1, i, jnp)
+        b, h = pair // kv_heads, pair % kv_heads
+        pl.when(owns_dense)(lambda: dense(b, h, counts_ref[pair] - 1))
+        pl.when(t_end > t_begin)(lambda: history(b, h, t_begin, t_end, program - first_ref[pair]))
+
+    # Unrolled: inside a loop over the pieces the kernel took 80.9 against 58.9 us (H200, B8
+    # 32K, where every program has one piece; bench/results/kernels_session11_h200.json run 2).
+    piece(0)
+    pl.when(line.pieces(u0, u1) > 1)(functools.partial(piece, 1))
 
 
 def slices_per_tile(g: int, head_dim: int) -> int:
@@ -557,27 +577,95 @@ def _sm_count() -> int:
     return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or _H200_SMS
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkLine:
+    """The kernel's work decomposition (stream-K): each (batch row, KV head) pair's work laid
+    end to end, `unit` units a pair (the sink and ring's `dense` units, then its `tiles`
+    256-token history tiles), cut into programs: program k takes units [bounds[k],
+    bounds[k + 1]), never cutting a sink and ring (`cut`) and at most one pair's units (so
+    at most two pairs). Its history tiles of a pair are one piece, one partial; the pieces
+    of a pair have partials 0, 1, ... in program order, its sink and ring the next one."""
+
+    pairs: int
+    tiles: int
+    dense: int
+    bounds: tuple[int, ...]
+
+    @property
+    def unit(self) -> int:
+        return self.dense + self.tiles
+
+    @property
+    def programs(self) -> int:
+        return len(self.bounds) - 1
+
+    @classmethod
+    def cut(cls, pairs: int, tiles: int, dense: int, per_program: int) -> "WorkLine":
+        """Programs of per_program units (the last one fewer), each cut that would fall inside
+        a sink and ring moved to before it (or after it where the program would be empty)."""
+        unit, total = dense + tiles, pairs * (dense + tiles)
+        if min(pairs, tiles) < 1 or dense < 0 or not 1 <= per_program <= unit:
+            raise ValueError(f"pairs={pairs}, tiles={tiles}, dense={dense}, per_program={per_program}: "
+                             f"expected pairs, tiles >= 1, dense >= 0 and 1 <= per_program <= {unit}")
+        bounds = [0]
+        while bounds[-1] < total:
+            end = min(bounds[-1] + per_program, total)
+            base = end // unit * unit
+            if base < end < base + dense:
+                end = base if base > bounds[-1] else base + dense
+            bounds.append(end)
+        return cls(pairs, tiles, dense, tuple(bounds))
+
+    def piece(self, u0, u1, i, xp=np):
+        """The i-th pair of a program of units [u0, u1) -> (pair, whether the program takes
+        its sink and ring, its first and end history tile there)."""
+        pair = u0 // self.unit + i
+        base = pair * self.unit
+        t_begin = xp.clip(u0 - base - self.dense, 0, self.tiles)
+        t_end = xp.clip(u1 - base - self.dense, 0, self.tiles)
+        return pair, (u0 <= base) & (base < u1), t_begin, t_end
+
+    def pieces(self, u0, u1):
+        """Pairs that a program of units [u0, u1) touches: 1 or 2."""
+        return 1 + ((u0 // self.unit + 1) * self.unit < u1).astype(np.int32)
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int32 (bounds [programs + 1], each pair's first program with history tiles of it
+        [pairs], each pair's partials [pairs]: its pieces and the sink and ring's)."""
+        bounds = np.asarray(self.bounds, np.int32)
+        base = np.arange(self.pairs) * self.unit
+        program_of = lambda u: np.searchsorted(bounds, u, side="right") - 1
+        first, last = program_of(base + self.dense), program_of(base + self.unit - 1)
+        return bounds, first.astype(np.int32), (last - first + 2).astype(np.int32)
+
+
 def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: int = 0,
              warpgroups: int | None = None, buffers: int | None = None,
-             target_programs: int | None = None) -> tuple[int, int, int]:
-    """(warpgroups per block, TMA buffers, 256-token tiles per history split) for B x Hkv =
-    rows_and_heads, `tiles` tiles of history and `dense_blocks` 64-token blocks of sink and
-    ring (which the last split also takes); None picks the default.
+             target_programs: int | None = None) -> tuple[int, int, WorkLine]:
+    """(warpgroups per block, TMA buffers, work line) for B x Hkv = rows_and_heads pairs of
+    `tiles` 256-token history tiles and `dense_blocks` 64-token blocks of sink and ring (each
+    counted as `_DENSE_TILE_COST` tiles); None picks the default.
 
-    warpgroups: 3 at D <= 128 when 3 per SM make more programs than one wave of 2 per SM
-    holds (target 3 x SMs), else 1 (target 2 x SMs at D <= 128, 1024 at D = 256: shared memory
-    holds one D = 256 program of 118 KB). B32 H32/8 32K, 256 rows and heads of one split
-    each, took 0.341 ms at 3 per block on 86 SMs (bench/results/kernels_h200.json, session 9)
-    and 0.283 ms at 1 per block, 2 per SM on 128 SMs (session 8). Splits: the floor of
-    target / (B x Hkv), at least 1, at most `tiles`; the tiles per split are those of the
-    history plus the sink and ring (each block counted as `_DENSE_TILE_COST` tiles) over the
-    splits, so that the last split's history is shorter by about the sink and ring's time.
+    warpgroups: 3 at D <= 128 when the work makes more programs than one wave of 2 per SM
+    holds (target 3 x SMs), else 1 (target 2 x SMs at D <= 128, 1024 at D = 256: shared
+    memory holds one D = 256 program of 118 KB). Programs: the fewest units each (at most a
+    pair's) that `WorkLine.cut` makes into at most the target.
     buffers: 2 at 3 per block (204.7 against 208.1 us with 3, 128K kernel; and the only
     depth there: see `mixed_attention`'s shared-memory union), else 3."""
     sms = _sm_count()
-    split = lambda target: max(1, min(tiles, target // rows_and_heads))
+    dense = math.ceil(_DENSE_TILE_COST * dense_blocks)
+    unit, total = tiles + dense, rows_and_heads * (tiles + dense)
+
+    def line_for(target: int) -> WorkLine:
+        per_program = min(unit, -(-total // target))
+        line = WorkLine.cut(rows_and_heads, tiles, dense, per_program)
+        while line.programs > target and per_program < unit:  # the moved cuts added some
+            per_program += 1
+            line = WorkLine.cut(rows_and_heads, tiles, dense, per_program)
+        return line
+
     if warpgroups is None:
-        many = rows_and_heads * split(target_programs or _WARPGROUPS * sms) > 2 * sms
+        many = line_for(target_programs or _WARPGROUPS * sms).programs > 2 * sms
         warpgroups = _WARPGROUPS if head_dim <= 128 and many else 1
     if warpgroups < 1 or (warpgroups > 1 and head_dim > 128):
         raise ValueError(f"warpgroups={warpgroups}: expected >= 1, and 1 at D = {head_dim} > 128 "
@@ -589,8 +677,8 @@ def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: in
                          "warpgroups (the sink and ring's buffers then overlay each warpgroup's own code buffers)")
     if target_programs is None:
         target_programs = warpgroups * sms if warpgroups > 1 else 2 * sms if head_dim <= 128 else 1024
-    work = tiles + math.ceil(_DENSE_TILE_COST * dense_blocks)
-    return warpgroups, buffers, min(tiles, -(-work // split(target_programs)))
+    line = line_for(target_programs)
+    return warpgroups, buffers, line
 
 
 def supports(spec, c: int, g: int) -> bool:
@@ -634,7 +722,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     barriers. 3 puts 3 programs on an SM (ptxas then fits a thread into 168 registers, spilling
     76 bytes, where 1 program per block took 213 and 2 programs per SM): at B8 H32/8 on the
     H200 the kernel took 203.2 against 220.6 us at 128K and 57.2 against 58.6 us at 32K
-    (bench/results/kernels_session9_h200.json run 2). target_programs: history splits are
+    (bench/results/kernels_session9_h200.json run 2). target_programs: the work line is
     chosen for at most about this many programs. buffers: TMA pipeline depth. None: see
     `schedule`.
     """
@@ -673,11 +761,9 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         meta = [jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, _ROWS - rows))) for x in meta]
     hist_rows = max(rows, _ROWS)
     tiles = -(-hist_rows // _ROWS)
-    warpgroups, buffers, split_tiles = schedule(b * hkv, tiles, d, dense_blocks=dense_blocks, warpgroups=warpgroups,
-                                                buffers=buffers, target_programs=target_programs)
-    split_rows = _ROWS * split_tiles
-    num_splits = -(-hist_rows // split_rows)
-    programs = b * hkv * num_splits
+    warpgroups, buffers, line = schedule(b * hkv, tiles, d, dense_blocks=dense_blocks, warpgroups=warpgroups,
+                                         buffers=buffers, target_programs=target_programs)
+    bounds, first, partials = line.tables()
 
     wgs = warpgroups  # every buffer below is per warpgroup
     history_codes = (plgpu.SMEM((wgs, buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
@@ -706,26 +792,28 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         scratch["stage_k"] = plgpu.SMEM((wgs, _TPB, _ROWS, d), jnp.int8, transforms=_int8_tiles(d))
         scratch["stage_v"] = plgpu.SMEM((wgs, _TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, split_rows=split_rows, hist_rows=hist_rows, hist_tokens=rows * _TPB,
-                          head_dim=d, packed=packed, buffers=buffers, sink=sink, window=window, g=g,
-                          kv_heads=hkv, splits=num_splits, programs=programs, warpgroups=wgs, interpret=interpret),
-        out_type=[jax.ShapeDtypeStruct((b, hkv, num_splits + 1, d, _N), jnp.float32),  # + the sink and ring
-                  jax.ShapeDtypeStruct((b, hkv, num_splits + 1, _N), jnp.float32)],
+        functools.partial(_kernel, line=line, hist_rows=hist_rows, hist_tokens=rows * _TPB, head_dim=d,
+                          packed=packed, buffers=buffers, sink=sink, window=window, g=g, kv_heads=hkv,
+                          warpgroups=wgs, interpret=interpret),
+        out_type=[jax.ShapeDtypeStruct((b, hkv, partials.max(), d, _N), jnp.float32),
+                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32)],
         scratch_types=scratch,
-        grid=(-(-programs // wgs),),
+        grid=(-(-line.programs // wgs),),
         grid_names=("block",),
         **(dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    o_t, lse2 = kernel(lengths.astype(jnp.int32), q_blocks, qcol, q_dense.reshape(b, hkv, 4 * _N, d), codes_k,
+    o_t, lse2 = kernel(lengths.astype(jnp.int32), jnp.asarray(bounds), jnp.asarray(first), jnp.asarray(partials),
+                       q_blocks, qcol, q_dense.reshape(b, hkv, 4 * _N, d), codes_k,
                        codes_v, *meta, *segments)
-    # The merge of every (split or sink / ring, column block) partial, and the back-rotation:
+    # The merge of every (history piece or sink / ring, column block) partial, and the back-rotation:
     # fused at D <= 128; at D = 256 a fused rotation makes each of decode_finish's channel
     # blocks merge all 256 channels of every partial, so XLA rotates there (Gemma-3 B8 32K on
     # the H200, session 8: 0.110 ms so, 0.162 fused; bench/results/kernels_session8_h200.json).
     fused_rot = output_rot if d <= 128 else None
-    o, lse = decode_finish(o_t, lse2, g=g, cols=cols, output_rot=fused_rot, interpret=interpret)
+    o, lse = decode_finish(o_t, lse2, g=g, cols=cols, counts=jnp.asarray(partials.reshape(b, hkv)),
+                           output_rot=fused_rot, interpret=interpret)
     if output_rot is not None and fused_rot is None:
         o = jnp.einsum("bhge,hde->bhgd", o, output_rot, precision=lax.Precision.HIGHEST)
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
