@@ -301,9 +301,9 @@ def _lower_for_h200(fn, args):
 # memory, the unpacking and the transposed weight store as array ops); `test_mgpu_lowers_for_cuda`
 # runs the Python side of its sm_90 compilation (layouts, wgmma and TMA checks) without a GPU.
 
-# (D, g, history tokens, target programs: 8 -> one piece of many steps per (row, head) pair;
-# 10, 12, 14 -> programs that span two pairs, with a sink and ring between their pieces, and
-# pairs of 2 and of 3 partials)
+# (D, g, history tokens, target programs: 8 -> one piece per (row, head) pair (1-2 steps
+# here); 10, 12, 14 -> pieces of up to 4 steps, programs that span two pairs with a sink and
+# ring between their pieces, and pairs of 2 and of 3 partials)
 MGPU_CASES = [
     (128, 4, 1024, 12), (128, 1, 1024, 64), (128, 3, 100, 8), (128, 8, 480, 32), (128, 4, 992, 1024),
     (64, 3, 1024, 10), (256, 4, 1024, 14), (256, 1, 480, 8)]
@@ -334,7 +334,8 @@ def test_mgpu_attention_matches_reference(case, pattern):
 @pytest.mark.parametrize("sink,window", [(64, 192), (0, 100)])
 def test_mgpu_sink_and_ring_match_reference(sink, window):
     """A production-size sink and a ring of 192 (the kernel's bf16 blocks of 64: 1 + 3, taken
-    by the last split after its history), and no sink with a ring of 100 (padded to 2 blocks;
+    by the program holding their units, here one of their own), and no sink with a ring of
+    100 (padded to 2 blocks;
     the ring stands in for the sink's operands); lengths inside the sink, inside the ring, on
     S0 + W and full. (A sink of 8, padded to a block: the other cases.)"""
     spec = _spec(64, 64, "uniform", "bfloat16", sink=sink, window=window, hist=256)
@@ -372,6 +373,9 @@ def test_mgpu_schedule():
     assert (wg, buffers, line.programs, loads(line).max()) == (1, 3, 520, 4)
     wg, buffers, line = schedule(64, 512, 128, warpgroups=1, buffers=2, target_programs=128)
     assert (wg, buffers, line.programs, loads(line).max()) == (1, 2, 128, 256)
+    # 2 units each would make 16 programs (the cuts moved out of the sinks and rings): 3
+    wg, buffers, line = schedule(8, 1, 128, dense_blocks=2, warpgroups=1, target_programs=12)
+    assert (line.programs, loads(line).max()) == (8, 3)
     for bad in (0, 3):
         with pytest.raises(ValueError, match="warpgroups"):
             schedule(8, 4, 256 if bad else 128, warpgroups=bad)

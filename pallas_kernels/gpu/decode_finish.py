@@ -1,4 +1,4 @@
-"""The end of a Mosaic GPU split decode: the merge of its partials and the back-rotation.
+"""The end of a Mosaic GPU decode: the merge of its partials and the back-rotation.
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 

@@ -33,8 +33,9 @@ each column block is one more partial softmax for the merge, so padding columns 
 
 Work is split stream-K style (`WorkLine`): every (batch row, KV head) pair's sink and ring
 and then its 256-token history tiles laid end to end and cut into programs of equal work
-(~3 x the SM count), so a program takes a piece of one or two pairs (each piece one
-partial) and every SM is busy to the end, whatever B x Hkv is. One warpgroup a program,
+(`schedule`'s target: 3 x the SM count at 3 programs per SM), so a program takes pieces of
+one or two pairs (each piece's history one partial, a sink and ring one more) and every SM
+is busy to the end, whatever B x Hkv is. One warpgroup a program,
 `warpgroups` of them per block (3 where there are enough programs: 3 per SM; `schedule`);
 each step moves 64 packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their
 metadata into shared memory with TMA, `buffers` steps deep. Only a piece's last step masks
