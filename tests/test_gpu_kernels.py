@@ -446,8 +446,8 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     unused = np.arange(splits)[None, None, :] >= counts[:, :, None]  # [B, Hkv, S]
     poisoned = jnp.where(unused[..., None, None], jnp.nan, o_t)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
-    o, lse = decode_finish.decode_finish(poisoned, jnp.asarray(np.where(unused[..., None], np.nan, lse2)), cols=cols,
-                                         g=g, counts=jnp.asarray(counts), output_rot=rot, interpret=interpret)
+    o, lse = decode_finish.decode_finish(poisoned, jnp.asarray(np.where(unused[..., None], np.nan, lse2)),
+                                         jnp.asarray(counts), cols=cols, g=g, output_rot=rot, interpret=interpret)
     assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g)
 
     hi = jax.lax.Precision.HIGHEST

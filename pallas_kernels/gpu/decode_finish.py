@@ -94,14 +94,13 @@ def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, rotate: bool,
     plgpu.store(lse_out_ref.at[b, h, queries], lse)  # the same in every channel block
 
 
-def decode_finish(o_t, lse2, *, cols: int, g: int, counts=None, output_rot=None, interpret: bool = False):
+def decode_finish(o_t, lse2, counts, *, cols: int, g: int, output_rot=None, interpret: bool = False):
     """Merge the partials, rotate back.
 
     o_t: f32 [B, Hkv, S, D, 8] normalised partials, column c for query c % cols; lse2: f32
     [B, Hkv, S, 8] their log-sum-exp in base 2 (-inf: nothing seen); counts: int32 [B, Hkv],
-    the partials each (row, head) has, its first ones (the rest unread, any bits), or None
-    (all S); output_rot: f32 [Hkv, D,
-    D] or None (o = o_rot · output_rot[h]^T when given; each channel block then merges all D,
+    the partials each (row, head) has, its first ones (the rest unread, any bits);
+    output_rot: f32 [Hkv, D, D] or None (o = o_rot · output_rot[h]^T when given; each channel block then merges all D,
     which the Mosaic GPU path does only at D <= 128). Returns (o f32 [B, Hkv, g, D], lse f32
     [B, Hkv, g], natural base).
     """
@@ -111,9 +110,7 @@ def decode_finish(o_t, lse2, *, cols: int, g: int, counts=None, output_rot=None,
                          "[B, Hkv, S, D, 8], [B, Hkv, S, 8] and 1 <= g <= cols <= 8")
     if output_rot is not None and output_rot.shape != (hkv, d, d):
         raise ValueError(f"output_rot.shape={output_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
-    if counts is None:
-        counts = jnp.full((b, hkv), splits, jnp.int32)
-    elif counts.shape != (b, hkv) or counts.dtype != jnp.int32:
+    if counts.shape != (b, hkv) or counts.dtype != jnp.int32:
         raise ValueError(f"counts: {counts.dtype} {counts.shape}, expected int32 [B={b}, Hkv={hkv}]")
     rotate = output_rot is not None
     arrays = (o_t, lse2, counts, *((output_rot.astype(jnp.float32),) if rotate else ()))

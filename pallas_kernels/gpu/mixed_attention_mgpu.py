@@ -39,7 +39,7 @@ is busy to the end, whatever B x Hkv is. One warpgroup a program,
 `warpgroups` of them per block (3 where there are enough programs: 3 per SM; `schedule`);
 each step moves 64 packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their
 metadata into shared memory with TMA, `buffers` steps deep. Only a piece's last step masks
-(tokens past the history, rows a tile moved back repeats). The V products' B operands are
+(tokens past the history). The V products' B operands are
 zero outside their slice's column block once, before the loop, so each step stores only
 the weights.
 
@@ -342,7 +342,7 @@ def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem
 def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes, q_smem, qcol_smem, meta_smem, w_smem,
             o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, stage_k=None, stage_v=None,
-            line: "WorkLine", hist_rows: int, hist_tokens: int, head_dim: int, packed: int, buffers: int,
+            line: WorkLine, hist_tokens: int, head_dim: int, packed: int, buffers: int,
             sink: int, window: int, g: int, kv_heads: int, warpgroups: int, interpret: bool):
     # Program k = warpgroup wg of block `block` takes units [bounds[k], bounds[k + 1]) of the
     # work line (`WorkLine`; its tables: bounds, each pair's first program and its partials):
@@ -402,15 +402,10 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
                 out = jnp.where(col_block == j, by_row(vectors[j]), out)
             return out
 
-        def tile_start(i):
-            """First packed row of step i; the last tile is moved back to end at the array's end
-            (both multiples of 64, as the TMA of the [D, 64]-tiled V codes needs)."""
-            r_nominal = r_begin + i * _ROWS
-            return r_nominal, jnp.minimum(r_nominal, hist_rows - _ROWS)
-
         def issue(i, slot):
-            """TMA of step i's K codes [64, D], V codes [D, 64] and 4 metadata tiles into `slot`."""
-            r0 = tile_start(i)[1]
+            """TMA of step i's K codes [64, D], V codes [D, 64] and 4 metadata tiles into `slot`
+            (whole tiles: a piece is whole tiles of the [64 x tiles]-row arrays)."""
+            r0 = r_begin + i * _ROWS
             sources = [ck_ref.at[b, h, pl.ds(r0, _ROWS)], cv_ref.at[b, h, :, pl.ds(r0, _ROWS)]]
             sources += [ref.at[b, h, :, pl.ds(r0, _ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
             targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
@@ -431,8 +426,7 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
             return stage.at[s]
 
         def step(i, carry, *, last: bool):
-            """Step i; only the last step of a piece masks (tokens past n_hist, and rows that a
-            tile moved back to the array's end repeats)."""
+            """Step i; only the last step of a piece masks (tokens past n_hist)."""
             acc, m, l_part, lo_part = carry
             slot = lax.rem(i, buffers)
             ahead = i + buffers - 1  # into the buffer step i - 1 read (its data is in registers)
@@ -440,7 +434,7 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
 
             with jax.named_scope("tma_wait"):  # phases name the regions of a Mosaic GPU profile
                 plgpu.barrier_wait(tile_bar(slot))
-            r_nominal, r0 = tile_start(i)
+            r0 = r_begin + i * _ROWS
             packed_k = plgpu.load(ck_smem.at[slot], layout=codes_layout)  # [64, D]
 
             def load_rest():
@@ -474,9 +468,8 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
                     raw = (accs[t][:, :_N] * int(_Q_LO) + accs[t][:, _N:]).astype(jnp.float32)
                     sc = scale_k * (q_steps[t] * raw) + lo_k * q_sum
                     if last:
-                        fresh = r0 + row_ids >= r_nominal  # rows an earlier step has not seen
                         token = _TPB * (r0 + row_ids) + t * packed + col_block
-                        sc = jnp.where(fresh & (token < n_hist), sc, -jnp.inf)
+                        sc = jnp.where(token < n_hist, sc, -jnp.inf)
                     scores.append(sc)
                 m_new = jnp.maximum(m, reduce_rows(functools.reduce(jnp.maximum, scores), "max"))
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if last else m_new  # finite if unmasked
@@ -793,7 +786,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         scratch["stage_k"] = plgpu.SMEM((wgs, _TPB, _ROWS, d), jnp.int8, transforms=_int8_tiles(d))
         scratch["stage_v"] = plgpu.SMEM((wgs, _TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, line=line, hist_rows=hist_rows, hist_tokens=rows * _TPB, head_dim=d,
+        functools.partial(_kernel, line=line, hist_tokens=rows * _TPB, head_dim=d,
                           packed=packed, buffers=buffers, sink=sink, window=window, g=g, kv_heads=hkv,
                           warpgroups=wgs, interpret=interpret),
         out_type=[jax.ShapeDtypeStruct((b, hkv, partials.max(), d, _N), jnp.float32),
@@ -813,7 +806,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     # blocks merge all 256 channels of every partial, so XLA rotates there (Gemma-3 B8 32K on
     # the H200, session 8: 0.110 ms so, 0.162 fused; bench/results/kernels_session8_h200.json).
     fused_rot = output_rot if d <= 128 else None
-    o, lse = decode_finish(o_t, lse2, g=g, cols=cols, counts=jnp.asarray(partials.reshape(b, hkv)),
+    o, lse = decode_finish(o_t, lse2, jnp.asarray(partials.reshape(b, hkv)), g=g, cols=cols,
                            output_rot=fused_rot, interpret=interpret)
     if output_rot is not None and fused_rot is None:
         o = jnp.einsum("bhge,hde->bhgd", o, output_rot, precision=lax.Precision.HIGHEST)
