@@ -9,9 +9,10 @@ over the OSCAR cache (dequantise in XLA, then attend). Both decode kernels are
 timed: the Triton one (`mixed_attention`) and, where it applies, the Mosaic GPU one
 (`mixed_attention_mgpu`; a failure to compile is recorded in the row, not raised);
 the ratios are those of the one `attend(implementation="auto")` runs. Also the bulk
-rotate-quantise-pack kernel, and `write_prompt` of a layer through XLA and through
-that kernel. Timing: GPU time from a profiler trace (`device_time`: first kernel start to
-last kernel end of a timed group, inter-kernel gaps included, host dispatch not), median
+rotate-quantise-pack kernels (Mosaic GPU and Triton, both code layouts), and
+`write_prompt` of a layer through XLA and through the bulk kernel. Timing: GPU time from a
+profiler trace (`device_time`: first kernel start to last kernel end of a timed group,
+inter-kernel gaps included, host dispatch not), median
 of >= 50 repetitions after warm-up; torch is timed with CUDA events, which likewise leave
 the host out. Each timed group runs the op over enough distinct input copies (>= 3 x L2
 in total) that no copy is served from L2, and the group time is divided by the number
@@ -43,7 +44,8 @@ import numpy as np  # noqa: E402
 from oscar_jax import attention  # noqa: E402
 from oscar_jax import cache as cache_lib  # noqa: E402
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element  # noqa: E402
-from oscar_jax.pallas_kernels.gpu import mixed_attention, mixed_attention_mgpu, quantize_pack  # noqa: E402
+from oscar_jax.pallas_kernels.gpu import (  # noqa: E402
+    mixed_attention, mixed_attention_mgpu, quantize_pack, quantize_pack_mgpu)
 
 L2_BYTES = 60 * 2**20  # H200
 
@@ -276,14 +278,20 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
 
 
 def bench_write(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> dict:
-    """The bulk kernel on [B, T, Hkv, D] bf16: bytes = x read + codes and metadata written."""
+    """The bulk kernels on [B, T, Hkv, D] bf16, K (token-major) and V (channel-major) code
+    layouts: the Mosaic GPU one (what `write_prompt` runs for this cache) and the Triton one.
+    bytes = x read + codes and metadata written."""
     x = [jax.random.normal(jax.random.key(i), (batch, seq, kv_heads, d), jnp.bfloat16) for i in range(2)]
     rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((kv_heads, d, d)))[0], jnp.float32)
-    op = functools.partial(quantize_pack.quantize_pack, rot=rot, clip=0.96, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
-                           group_size=d, span=None, scale_dtype=jnp.bfloat16)
-    t = time_group(unrolled(lambda a: op(a)), [(a,) for a in x], reps)
     nbytes = x[0].size * 2 + x[0].size // 4 + 2 * 2 * batch * seq * kv_heads
-    return {"shape": [batch, seq, kv_heads, d], "ms": t * 1e3, "bytes": nbytes, "GBps": nbytes / t / 1e9}
+    row = {"shape": [batch, seq, kv_heads, d], "bytes": nbytes}
+    for name, kernel in (("mgpu", quantize_pack_mgpu), ("triton", quantize_pack)):
+        for layout_name, channel_major in (("k", False), ("v", True)):
+            op = functools.partial(kernel.quantize_pack, rot=rot, clip=0.96, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
+                                   group_size=d, span=None, scale_dtype=jnp.bfloat16, channel_major=channel_major)
+            t = time_group(unrolled(lambda a, op=op: op(a)), [(a,) for a in x], reps)
+            row[f"{name}_{layout_name}_ms"], row[f"{name}_{layout_name}_GBps"] = t * 1e3, nbytes / t / 1e9
+    return row
 
 
 def bench_write_prompt(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> dict:
@@ -372,8 +380,11 @@ def markdown(result: dict) -> str:
     if "error" in w:
         lines.append(f"Bulk rotate-quantise-pack: {w['error']}")
     else:
-        lines.append(f"Bulk rotate-quantise-pack {w['shape']}: {w['ms']:.3f} ms, {w['GBps']:.0f} GB/s "
-                     f"({100 * w['GBps'] / c['copy_read_write_GBps']:.0f}% of the copy bandwidth).")
+        copy = c["copy_read_write_GBps"]
+        part = lambda k: f"{w[k + '_ms']:.3f} ms, {w[k + '_GBps']:.0f} GB/s ({100 * w[k + '_GBps'] / copy:.1f}%)"
+        lines.append(f"Bulk rotate-quantise-pack {w['shape']} (2-bit, G = D, bf16 metadata; % of the copy "
+                     f"bandwidth): Mosaic GPU K {part('mgpu_k')}, V {part('mgpu_v')}; Triton K "
+                     f"{part('triton_k')}, V {part('triton_v')}.")
     if "xla_ms" in result.get("write_prompt", {}):
         wp = result["write_prompt"]
         lines.append(f"write_prompt of one layer {wp['shape']} (K and V): XLA {wp['xla_ms']:.3f} ms "

@@ -6,6 +6,7 @@ the `gpu`-marked tests run the same checks compiled on a real GPU
 (`pytest -m gpu`). Tolerances: attention output relative Frobenius error
 <= 1e-2 (bf16 MMA operands against the f32 HIGHEST-precision reference),
 lse within 2e-2 + 5e-3·|lse| (q enters the MMA in bf16); the bulk write is
+(Triton, and the Mosaic GPU write for G = D in {64, 128}, uniform 2-bit, bf16 metadata)
 bit-exact in interpret mode when the rotation is a signed permutation (f32 Lloyd-Max metadata: 1e-5
 relative, summation order differs); with a dense rotation a rotated value may
 land on the neighbouring bf16, so <= 0.2% of code bytes and 2 bf16 ulps of
@@ -30,7 +31,8 @@ from oscar_jax import attention, quant, reference
 from oscar_jax import cache as cache_lib
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
-from oscar_jax.pallas_kernels.gpu import decode_finish, decode_start, mixed_attention, mixed_attention_mgpu, quantize_pack
+from oscar_jax.pallas_kernels.gpu import (decode_finish, decode_start, mixed_attention, mixed_attention_mgpu,
+                                         quantize_pack, quantize_pack_mgpu)
 
 HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
 
@@ -264,6 +266,76 @@ def test_quantize_pack_nan_stays_in_its_token():
         np.testing.assert_array_equal(got[np.isfinite(got)], ref[np.isfinite(ref)])
     bad = ~np.isfinite(np.asarray(lo)[0, 0])  # [G, tpb, rows]: token 5 is slice 1 of row 1
     assert bad[:, 1, 1].all() and bad.sum() == bad.shape[0]
+
+
+# Mosaic GPU bulk write (quantize_pack_mgpu): G = D in {64, 128}, uniform 2-bit codes, bf16
+# metadata. (B, T, Hkv, D, start, count, channel_major, rotation, warpgroups, blocks_per_program,
+# NaN): T < start + count zero-fills; a count that is not a multiple of 64 cuts the last block.
+MGPU_WRITE_CASES = [
+    (1, 256, 2, 128, 0, 256, False, "dense", 3, 128, False),  # the defaults: one run of 4 blocks
+    (2, 200, 2, 64, 64, 320, True, "permutation", 2, 2, False),  # runs of 2 blocks, tail past T
+    (1, 300, 1, 128, 0, 300, False, "permutation", 3, 2, True),  # a NaN; 5 blocks, the last cut
+    (2, 40, 2, 64, 8, 72, False, "permutation", 1, 1, False),  # T < 64
+    (1, 512, 2, 128, 64, 448, True, "dense", 3, 3, False),
+]
+
+
+def _check_mgpu_write(case, *, interpret: bool):
+    """quantize_pack_mgpu against the XLA quantiser on the rotated tokens [start, start + count)
+    (zeros past T): exact for a signed-permutation rotation (the kernel's quotient is correctly
+    rounded; a NaN token gets NaN or inf metadata and codes 0 there too), else codes within one
+    level (<= 1% of them) and metadata within 2 bf16 ulps of the largest."""
+    b, t, hkv, d, start, count, channel_major, rotation, wgs, per_program, nan = case
+    rng = np.random.default_rng([b, t, d, start, count])
+    x = np.asarray(random_kv(rng, b, t, hkv, d))
+    if nan:
+        x[0, start + 5, 0, 3] = np.nan
+    rot = (signed_permutation(rng, hkv, d) if rotation == "permutation"
+           else np.linalg.qr(rng.standard_normal((hkv, d, d)))[0].astype(np.float32))
+    cfg = QuantConfig(2, scale_dtype="bfloat16")
+    got = quantize_pack_mgpu.quantize_pack(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(rot), 0.9, bits=2, levels=cfg.levels, group_size=d, span=None,
+        scale_dtype=jnp.bfloat16, start=start, count=count, channel_major=channel_major, interpret=interpret,
+        warpgroups=wgs, blocks_per_program=per_program)
+    x_rot = np.einsum("bthd,hde->bhte", x, rot.astype(np.float64)).astype(np.float32)
+    x_rot = np.pad(x_rot, ((0, 0), (0, 0), (0, max(0, start + count - t)), (0, 0)))[:, :, start:start + count]
+    want = quant.pack(quant.quantize(jnp.asarray(x_rot, jnp.bfloat16), cfg, 0.9), 2, channel_major=channel_major)
+    codes, want_codes = np.asarray(got[0]), np.asarray(want.codes)
+    assert codes.shape == want_codes.shape
+    if rotation == "permutation":
+        np.testing.assert_array_equal(codes, want_codes)
+    else:
+        unpack = functools.partial(layout.unpack_codes, bits=2, channel_major=channel_major)
+        a, w = (np.asarray(unpack(c), np.int32) for c in (codes, want_codes))
+        assert np.abs(a - w).max() <= 1 and np.mean(a != w) <= 1e-2, np.mean(a != w)
+    for meta, ref in zip(got[1:], (want.lo, want.scale)):
+        meta, ref = np.asarray(meta, np.float32), np.asarray(ref, np.float32)
+        assert meta.shape == ref.shape
+        np.testing.assert_array_equal(np.isfinite(meta), np.isfinite(ref))
+        keep = np.isfinite(ref)
+        if rotation == "permutation":
+            np.testing.assert_array_equal(meta[keep], ref[keep])
+        else:
+            np.testing.assert_allclose(meta[keep], ref[keep], rtol=8e-3, atol=2**-6 * np.abs(ref[keep]).max())
+    if nan:  # token start + 5 is slice 1 of packed row 1; nothing else is touched
+        assert (~np.isfinite(np.asarray(got[1], np.float32))).sum() == 1
+
+
+@pytest.mark.parametrize("case", MGPU_WRITE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_quantize_pack_mgpu_matches_xla(case):
+    _check_mgpu_write(case, interpret=True)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_quantize_pack_mgpu_lowers_for_cuda(d):
+    """Mosaic GPU's lowering for sm_90 (wgmma, TMA, the in-register packing) accepts the bulk
+    write in both code layouts, at 1 and 3 warpgroups."""
+    sds = jax.ShapeDtypeStruct
+    for channel_major, wgs in ((False, 3), (True, 1)):
+        fn = functools.partial(quantize_pack_mgpu.quantize_pack, clip=0.9, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
+                               group_size=d, span=None, scale_dtype=jnp.bfloat16, channel_major=channel_major,
+                               warpgroups=wgs)
+        _lower_for_h200(fn, (sds((2, 1000, 2, d), jnp.bfloat16), sds((2, d, d), jnp.float32)))
 
 
 @pytest.mark.parametrize("d,g,c", [(128, 4, 1), (64, 8, 7)])
@@ -550,7 +622,7 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
 
 
-@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (128, 4, False, None), (128, 1, True, None),
+@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (128, 1, True, None),
                                                    (256, 8, True, None), (64, 3, False, None), (128, 4, True, 1)])
 def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
     """B8 Hkv 8 at 32K, each slices_per_tile (2, 4, and 1 at D = 256), D = 64's 64-byte
@@ -669,6 +741,15 @@ def _decision_margin(x, rot, lengths, cache, spec):
         held = slot < (np.asarray(lengths) - s0 - w)[:, None, None, None]
         out.append(np.where(held, margin, np.nan))
     return out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", MGPU_WRITE_CASES + [(2, 4096, 8, 128, 0, 4096, True, "permutation", 3, 128, True),
+                                  (2, 4096, 8, 128, 256, 3840, False, "dense", 3, 128, False)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_quantize_pack_mgpu_on_gpu(case):
+    _check_mgpu_write(case, interpret=False)
 
 
 @pytest.mark.gpu
