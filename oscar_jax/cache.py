@@ -359,10 +359,10 @@ def _write_implementation(implementation: str, spec: CacheSpec) -> str:
 
     if implementation == "auto":
         # TPU: the Mosaic bulk kernel (interpret-verified, like the TPU attention).
-        # GPU: the bulk kernels (Mosaic GPU for one group per token, uniform 2-bit codes and
-        # bf16 metadata on Hopper, else Triton); on the H200 they pass the compiled write
+        # GPU: the bulk kernels (Mosaic GPU on Hopper for G = D in {64, 128}, uniform 2-bit
+        # codes and bf16 metadata, else Triton); on the H200 they pass the compiled write
         # tests, and Triton's wrote a [8, 32768, 8, 128] layer (K and V) in 1.05 ms of GPU
-        # time against XLA's 6.90 ms (bench/results/kernels_h200.json).
+        # time against XLA's 6.91 ms (bench/results/kernels_h200.json).
         backend = jax.default_backend()
         if backend == "tpu":
             return "pallas_tpu"
@@ -386,10 +386,10 @@ def _kernel_quantize_pack(impl: str, x, rot, clip, spec: CacheSpec, start: int,
     span = LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None
     interpret = jax.default_backend() == "cpu"
     if impl == "pallas":
-        from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu, quantize_pack, quantize_pack_mgpu
+        from oscar_jax.pallas_kernels.gpu import hopper, quantize_pack, quantize_pack_mgpu
 
         # The Mosaic GPU kernel where it applies (Hopper, or interpret mode), else Triton's.
-        mgpu = quantize_pack_mgpu.supports(spec) and mixed_attention_mgpu.device_supported()
+        mgpu = quantize_pack_mgpu.supports(spec) and hopper.device_supported()
         codes, lo, scale = (quantize_pack_mgpu if mgpu else quantize_pack).quantize_pack(
             x.astype(STORE_DTYPE), rot, clip, bits=cfg.bits, levels=cfg.levels,
             group_size=spec.group_size, span=span, scale_dtype=cfg.jnp_scale_dtype,

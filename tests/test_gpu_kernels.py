@@ -9,8 +9,8 @@ lse within 2e-2 + 5e-3·|lse| (q enters the MMA in bf16); the bulk write is
 (Triton, and the Mosaic GPU write for G = D in {64, 128}, uniform 2-bit, bf16 metadata)
 bit-exact in interpret mode when the rotation is a signed permutation (f32 Lloyd-Max metadata: 1e-5
 relative, summation order differs); with a dense rotation a rotated value may
-land on the neighbouring bf16, so <= 0.2% of code bytes and 2 bf16 ulps of
-metadata may differ.
+land on the neighbouring bf16, so codes may move by one level (<= 1% of them) and
+metadata by 8e-3 relative + 2^-6 of the largest.
 
 Each attention case is one shape configuration x one ragged batch of
 lengths; the lengths are traced, so the cases of a configuration share one
@@ -270,13 +270,15 @@ def test_quantize_pack_nan_stays_in_its_token():
 
 # Mosaic GPU bulk write (quantize_pack_mgpu): G = D in {64, 128}, uniform 2-bit codes, bf16
 # metadata. (B, T, Hkv, D, start, count, channel_major, rotation, warpgroups, blocks_per_program,
-# NaN): T < start + count zero-fills; a count that is not a multiple of 64 cuts the last block.
+# NaN), one grid block at least (min_programs=1): T < start + count zero-fills (in interpret mode
+# x is padded with NaN there, so only the kernel's mask makes the zeros); a count that is not a
+# multiple of 64 cuts the last block.
 MGPU_WRITE_CASES = [
-    (1, 256, 2, 128, 0, 256, False, "dense", 3, 128, False),  # the defaults: one run of 4 blocks
-    (2, 200, 2, 64, 64, 320, True, "permutation", 2, 2, False),  # runs of 2 blocks, tail past T
+    (1, 256, 2, 128, 0, 256, False, "dense", 3, 128, False),  # one run of 4 blocks a head
+    (2, 200, 2, 64, 64, 320, True, "permutation", 2, 2, False),  # runs of 2 blocks, 2 past T
     (1, 300, 1, 128, 0, 300, False, "permutation", 3, 2, True),  # a NaN; 5 blocks, the last cut
     (2, 40, 2, 64, 8, 72, False, "permutation", 1, 1, False),  # T < 64
-    (1, 512, 2, 128, 64, 448, True, "dense", 3, 3, False),
+    (1, 1024, 1, 128, 64, 896, True, "dense", 2, 16, False),  # 7 steps a warpgroup: the rings turn
 ]
 
 
@@ -284,7 +286,8 @@ def _check_mgpu_write(case, *, interpret: bool):
     """quantize_pack_mgpu against the XLA quantiser on the rotated tokens [start, start + count)
     (zeros past T): exact for a signed-permutation rotation (the kernel's quotient is correctly
     rounded; a NaN token gets NaN or inf metadata and codes 0 there too), else codes within one
-    level (<= 1% of them) and metadata within 2 bf16 ulps of the largest."""
+    level (<= 1% of them) and metadata within 8e-3 relative + 2^-6 of the largest (a rotated
+    value may round to the neighbouring bf16, as in the Triton kernel's test)."""
     b, t, hkv, d, start, count, channel_major, rotation, wgs, per_program, nan = case
     rng = np.random.default_rng([b, t, d, start, count])
     x = np.asarray(random_kv(rng, b, t, hkv, d))
@@ -296,7 +299,7 @@ def _check_mgpu_write(case, *, interpret: bool):
     got = quantize_pack_mgpu.quantize_pack(
         jnp.asarray(x, jnp.bfloat16), jnp.asarray(rot), 0.9, bits=2, levels=cfg.levels, group_size=d, span=None,
         scale_dtype=jnp.bfloat16, start=start, count=count, channel_major=channel_major, interpret=interpret,
-        warpgroups=wgs, blocks_per_program=per_program)
+        warpgroups=wgs, blocks_per_program=per_program, min_programs=1)
     x_rot = np.einsum("bthd,hde->bhte", x, rot.astype(np.float64)).astype(np.float32)
     x_rot = np.pad(x_rot, ((0, 0), (0, 0), (0, max(0, start + count - t)), (0, 0)))[:, :, start:start + count]
     want = quant.pack(quant.quantize(jnp.asarray(x_rot, jnp.bfloat16), cfg, 0.9), 2, channel_major=channel_major)
@@ -622,13 +625,14 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
 
 
-@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (128, 1, True, None),
-                                                   (256, 8, True, None), (64, 3, False, None), (128, 4, True, 1)])
+# CI time: 16-46 s a case on 2 cores; 1 warpgroup a block and 4 slices a tile lower only on
+# the GPU (`test_mgpu_one_warpgroup_on_gpu`, `test_mgpu_attention_on_gpu`).
+@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (256, 8, True, None), (64, 3, False, None)])
 def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
-    """B8 Hkv 8 at 32K, each slices_per_tile (2, 4, and 1 at D = 256), D = 64's 64-byte
-    swizzle, 3 programs per block (the default here) and 1: Mosaic GPU's layout inference,
-    wgmma and TMA checks for sm_90, and the Triton lowering of decode_start and
-    decode_finish (with and without the rotations)."""
+    """B8 Hkv 8 at 32K, slices_per_tile 2 (D = 128), 1 (D = 256) and 2 at D = 64's 64-byte
+    swizzle, 3 programs per block: Mosaic GPU's layout inference, wgmma and TMA checks for
+    sm_90, and the Triton lowering of decode_start and decode_finish (with and without the
+    rotations)."""
     b, hkv, rows, sink, window = 8, 8, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
@@ -759,7 +763,8 @@ def test_write_prompt_on_gpu_ties_only(config):
     """With an exact (signed-permutation) rotation the compiled kernel and XLA agree on every
     sink/ring value and every metadata entry; a code may differ by one level only where
     u = (x - lo)/scale sits on a decision boundary (bf16 lo/scale put many elements
-    exactly on k + 1/2, and Triton's division is not correctly rounded)."""
+    exactly on k + 1/2, and Triton's division is not correctly rounded; the (64, 64, uniform,
+    bf16) config runs the Mosaic GPU write, whose division is)."""
     d, g_size, codebook, scale_dtype, bits = config
     spec = CacheSpec(1, 3, 2, d, SINK + 90 + WINDOW, SINK, WINDOW,
                      QuantConfig(bits, None if g_size == d else g_size, codebook, scale_dtype))

@@ -80,6 +80,7 @@ from oscar_jax.pallas_kernels import layout
 
 from . import decode_start as start
 from .decode_finish import decode_finish
+from .hopper import device_supported, sm_count  # noqa: F401 (device_supported: this kernel's API)
 
 _ROWS = start.TILE_ROWS  # packed rows per step: one m64 MMA tile per token slice
 _N = start.N  # query columns (the smallest MMA N): g heads of one or more token slices
@@ -91,7 +92,6 @@ _W_LO = 254.0
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fewer shifts)
 _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
-_H200_SMS = 132  # the SM count where the device reports none (interpret mode, lowering)
 _REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16] (4 warps x 32 lanes x 4)
 # Work of a 64-token bf16 block of the sink or ring, in 256-token history steps (work-line
 # units): session 8's estimate (~2 us a block against ~2.4 us a step). The session-10 A/B puts
@@ -566,11 +566,6 @@ def slices_per_tile(g: int, head_dim: int) -> int:
     return min(_TPB, _N // (1 << (g - 1).bit_length()))
 
 
-def _sm_count() -> int:
-    device = jax.devices()[0]
-    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or _H200_SMS
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkLine:
     """The kernel's work decomposition (stream-K): each (batch row, KV head) pair's work laid
@@ -646,7 +641,7 @@ def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: in
     pair's) that `WorkLine.cut` makes into at most the target.
     buffers: 2 at 3 per block (204.7 against 208.1 us with 3, 128K kernel; and the only
     depth there: see `mixed_attention`'s shared-memory union), else 3."""
-    sms = _sm_count()
+    sms = sm_count()
     dense = math.ceil(_DENSE_TILE_COST * dense_blocks)
     unit, total = tiles + dense, rows_and_heads * (tiles + dense)
 
@@ -685,13 +680,6 @@ def supports(spec, c: int, g: int) -> bool:
             and q.bits == 2
             and tuple(q.levels) == (0.0, 1.0, 2.0, 3.0) and jnp.dtype(q.jnp_scale_dtype) == jnp.bfloat16
             and (rows < _ROWS or rows % _ROWS == 0))
-
-
-def device_supported() -> bool:
-    """Whether the default device runs this kernel: an sm_90 GPU (TMA + wgmma), or the CPU
-    (Mosaic GPU interpret mode)."""
-    device = jax.devices()[0]
-    return device.platform == "cpu" or getattr(device, "compute_capability", None) == "9.0"
 
 
 def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,

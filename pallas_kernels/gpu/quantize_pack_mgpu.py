@@ -23,14 +23,15 @@ the block's lo / scale [4, 16] (token 4 i + s at [s, i]) go to shared memory and
 Semantics are `quant.quantize` with the uniform codebook on the bf16 product of the split
 rotation, as the Triton kernel, the NaN rules included: a token whose max, min, lo or scale
 is not finite, or whose scale is 0, gets codes 0 (max and min propagate NaN), applied as a
-per-token mask of the code bits (H200, B8 32K: 0.300 against 0.318 ms with a select per
-element). The quotient is a division per element: one multiply by the token's reciprocal
-took 0.310 against 0.319 ms, but bf16 lo and scale put many values exactly on a rounding
-boundary, where it changes the code. Tokens past x's end are zeros; x's token count is
-padded to a multiple of 8 if it is not one (the TMA window's tiling needs it). In
-interpret mode (CPU) the packing and the metadata store are array ops and x is padded to
-its last block (the interpreter clamps a window that runs past the end, where TMA fills
-zeros).
+per-token mask of the code bits rather than a select per element (H200, B8 32K, run 3 of
+`bench/results/kernels_write_session12_h200.json`: without the select 0.298 against 0.310
+ms). The quotient is a division per element: one multiply by the token's reciprocal took
+0.310 against 0.318 ms in the same run, but bf16 lo and scale put many values exactly on a
+rounding boundary, where it changes the code. Tokens past x's end are zeros (the blocks that
+reach past it mask them); x's token count is padded to a multiple of 8 if it is not one (the
+TMA window's tiling needs it; a copy of x). In interpret mode (CPU) the packing and the
+metadata store are array ops and x is padded with NaN to its last block (the interpreter
+clamps a window that runs past the end, where TMA fills zeros; the NaN shows a failed mask).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
+
+from . import hopper
 
 _TOKENS = 64  # tokens per block: one m64 MMA
 _TPB = 4  # tokens per packed byte (2-bit codes)
@@ -150,12 +153,12 @@ def _store_meta(lo: jax.Array, scale: jax.Array, ref, *, interpret: bool) -> Non
 
 
 def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_ref, *, rot_smem, x_smem,
-            code_smem, meta_smem, rot_bar, x_bars, start: int, n_blocks: int, per_program: int,
+            code_smem, meta_smem, rot_bar, x_bars, start: int, t_total: int, n_blocks: int, per_program: int,
             kv_heads: int, warpgroups: int, buffers: int, channel_major: bool, interpret: bool):
     pair, run = lax.axis_index("pair"), lax.axis_index("run")
     wg = lax.axis_index("wg") if warpgroups > 1 else 0
     b, h = pair // kv_heads, pair % kv_heads
-    t_total, d = x_ref.shape[1], x_ref.shape[3]
+    d = x_ref.shape[3]  # x_ref may be padded past its t_total tokens
     first = run * per_program + wg  # this warpgroup's blocks: first, first + wgs, ...
     steps = jnp.maximum(jnp.minimum(per_program, n_blocks - run * per_program) - wg + warpgroups - 1, 0) // warpgroups
     # Blocks wholly inside x come first; the rest mask the tokens past its end.
@@ -235,13 +238,18 @@ def supports(spec) -> bool:
 def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_size: int,
                   span: float | None, scale_dtype, start: int = 0, count: int | None = None,
                   channel_major: bool = False, interpret: bool = False,
-                  blocks_per_program: int = 128, warpgroups: int = 3, buffers: int = 3):
+                  blocks_per_program: int = 128, min_programs: int | None = None, warpgroups: int = 3,
+                  buffers: int = 3):
     """`quantize_pack.quantize_pack`'s contract, restricted to `supports`: x bf16 [B, T,
     Hkv, D], rot f32 [Hkv, D, D], clip f32 [] -> codes uint8 [B, Hkv, count/4, D] (or [B,
     Hkv, D, count/4] when channel_major), lo and scale bf16 [B, Hkv, 1, 4, count/4]; count
     a multiple of 4 (a last partial block is computed whole and cut).
-    blocks_per_program: 64-token blocks per grid block (one rotation load for them);
-    warpgroups: warpgroups per block; buffers: x tiles in flight per warpgroup."""
+    blocks_per_program: the most 64-token blocks per grid block (one rotation load for them),
+    fewer where that makes fewer than min_programs grid blocks (None: the SM count, 1 in
+    interpret mode); warpgroups: warpgroups per block; buffers: x tiles in flight per
+    warpgroup. H200, B8 32K (`bench/results/kernels_write_session12_h200.json`): 128, 3 and
+    3 took 0.300-0.302 ms; with a select per element, 64 blocks 0.318, and then 2 warpgroups
+    (4 buffers) 0.331, 1 warpgroup 0.507."""
     b, t, hkv, d = x.shape
     count = t - start if count is None else count
     if (bits != 2 or tuple(levels) != (0.0, 1.0, 2.0, 3.0) or span is not None or group_size != d
@@ -254,16 +262,21 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
                          f"multiple of tokens_per_byte={_TPB}")
     if rot.shape != (hkv, d, d):
         raise ValueError(f"rot.shape={rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
-    if warpgroups < 1 or buffers < 2 or blocks_per_program < 1:
+    if warpgroups < 1 or buffers < 2 or blocks_per_program < 1 or (min_programs or 1) < 1:
         raise ValueError(f"warpgroups={warpgroups}, buffers={buffers}, blocks_per_program="
-                         f"{blocks_per_program}: expected >= 1, >= 2 and >= 1")
+                         f"{blocks_per_program}, min_programs={min_programs}: expected >= 1, >= 2, "
+                         ">= 1 and None or >= 1")
     n_blocks = -(-count // _TOKENS)  # the last block's rows past count/4 are cut off below
-    per_program = min(blocks_per_program, n_blocks)
+    if min_programs is None:  # interpret mode runs grid blocks one after another: the fewest
+        min_programs = 1 if interpret else hopper.sm_count()
+    runs = min(n_blocks, max(-(-n_blocks // blocks_per_program), -(-min_programs // (b * hkv))))
+    per_program = -(-n_blocks // runs)
     runs = -(-n_blocks // per_program)
     x = x.astype(jnp.bfloat16)
-    if interpret or t < _TOKENS or t % 8:  # see the module docstring
+    if interpret or t < _TOKENS or t % 8:  # see the module docstring; the kernel masks the pad
         t_pad = max(start + _TOKENS * n_blocks, _TOKENS) if interpret or t < _TOKENS else t
-        x = jnp.pad(x, ((0, 0), (0, max(t_pad, t) + -max(t_pad, t) % 8 - t), (0, 0), (0, 0)))
+        x = jnp.pad(x, ((0, 0), (0, max(t_pad, t) + -max(t_pad, t) % 8 - t), (0, 0), (0, 0)),
+                    constant_values=jnp.nan if interpret else 0)  # NaN: a mask that fails shows
     rot_t = jnp.swapaxes(rot.astype(jnp.float32), 1, 2)  # [Hkv, D out, D in]: the B operand, K-major
     rot_hi = rot_t.astype(jnp.bfloat16)
     rot_lo = (rot_t - rot_hi.astype(jnp.float32)).astype(jnp.bfloat16)
@@ -272,7 +285,7 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
     staging = (warpgroups, 2, d, _ROWS) if channel_major else (warpgroups, 2, _ROWS, d)
     meta_shape = jax.ShapeDtypeStruct((b, hkv, 1, _TPB, rows), jnp.bfloat16)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, start=start, n_blocks=n_blocks, per_program=per_program, kv_heads=hkv,
+        functools.partial(_kernel, start=start, t_total=t, n_blocks=n_blocks, per_program=per_program, kv_heads=hkv,
                           warpgroups=warpgroups, buffers=buffers, channel_major=channel_major,
                           interpret=interpret),
         out_type=[jax.ShapeDtypeStruct(codes_shape, jnp.uint8), meta_shape, meta_shape],
