@@ -166,6 +166,7 @@ from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention  # no
 register("pallas", kernel_attend(_gpu_attention.mixed_attention),
          supports=lambda spec, queries, group: _gpu_attention.supports(spec))
 
+from oscar_jax.pallas_kernels.gpu import hopper as _hopper  # noqa: E402
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
 
 # GPU time on the H200: it beats the Triton kernel at every D it takes. D = 128 (B8 H32/8,
@@ -175,4 +176,4 @@ from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention
 # (bench/results/kernels_session10_h200.json run 3, kernels_session11_h200.json).
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates=True),
          supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
-                                                and _mgpu_attention.device_supported()))
+                                                and _hopper.device_supported()))

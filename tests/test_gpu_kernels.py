@@ -31,8 +31,8 @@ from oscar_jax import attention, quant, reference
 from oscar_jax import cache as cache_lib
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
-from oscar_jax.pallas_kernels.gpu import (decode_finish, decode_start, mixed_attention, mixed_attention_mgpu,
-                                         quantize_pack, quantize_pack_mgpu)
+from oscar_jax.pallas_kernels.gpu import (decode_finish, decode_start, hopper, mixed_attention,
+                                         mixed_attention_mgpu, quantize_pack, quantize_pack_mgpu)
 
 HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
 
@@ -621,7 +621,7 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
     assert attention.resolve("pallas_mosaic_gpu", d64, 1, 3) == "pallas_mosaic_gpu"
     with pytest.raises(ValueError, match="C=7 queries"):
         attention.resolve("pallas_mosaic_gpu", spec, 7, 4)
-    monkeypatch.setattr(mixed_attention_mgpu, "device_supported", lambda: False)
+    monkeypatch.setattr(hopper, "device_supported", lambda: False)
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
 
 

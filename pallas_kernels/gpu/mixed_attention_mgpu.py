@@ -80,7 +80,7 @@ from oscar_jax.pallas_kernels import layout
 
 from . import decode_start as start
 from .decode_finish import decode_finish
-from .hopper import device_supported, sm_count  # noqa: F401 (device_supported: this kernel's API)
+from .hopper import bf16_tiles as _bf16_tiles, int8_tiles as _int8_tiles, sm_count
 
 _ROWS = start.TILE_ROWS  # packed rows per step: one m64 MMA tile per token slice
 _N = start.N  # query columns (the smallest MMA N): g heads of one or more token slices
@@ -98,18 +98,6 @@ _REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16]
 # it nearer 1.3 (the 128K kernel 3.3 us longer), but 1.3, together with earlier first loads,
 # timed the same (bench/results/kernels_session10_h200.json, run 3).
 _DENSE_TILE_COST = 0.8
-
-
-def _int8_tiles(minor: int) -> tuple:
-    """Shared-memory transforms of an int8 MMA operand whose rows have `minor` bytes."""
-    swizzle = min(minor, 128)
-    return plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)
-
-
-def _bf16_tiles(minor: int) -> tuple:
-    """Shared-memory transforms of a bf16 MMA operand whose rows have `minor` elements."""
-    swizzle = min(2 * minor, 128)
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
 def _code_shift(s: int, scaled: bool) -> tuple[int, int]:

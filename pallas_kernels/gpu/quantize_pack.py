@@ -137,6 +137,14 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
         jax.lax.fori_loop(0, loop, block, None)
 
 
+def split_rotation(rot: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """rot f32 [..., D, D] -> bf16 (R_hi, R_lo) with R_hi + R_lo = R to ~16 bits: the two
+    halves the bulk kernels multiply by (f32 accumulation), one bf16 MMA each."""
+    rot = rot.astype(jnp.float32)
+    hi = rot.astype(jnp.bfloat16)
+    return hi, (rot - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
 def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_size: int,
                   span: float | None, scale_dtype, start: int = 0, count: int | None = None,
                   channel_major: bool = False, interpret: bool = False,
@@ -162,9 +170,7 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
         raise ValueError(f"group_size={group_size}: must divide D={d} and be >= 16")
     rows = count // tpb
     loop = min(blocks.loop, -(-rows // blocks.block_rows))  # no program walks past the last row
-    rot = rot.astype(jnp.float32)
-    rot_hi = rot.astype(jnp.bfloat16)
-    rot_lo = (rot - rot_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    rot_hi, rot_lo = split_rotation(rot)
     clip = jnp.reshape(jnp.asarray(clip, jnp.float32), (1,))
     scale_dtype = jnp.dtype(scale_dtype)
     ng = d // group_size

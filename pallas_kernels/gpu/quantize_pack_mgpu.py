@@ -49,6 +49,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
 from . import hopper
+from .quantize_pack import split_rotation
 
 _TOKENS = 64  # tokens per block: one m64 MMA
 _TPB = 4  # tokens per packed byte (2-bit codes)
@@ -56,12 +57,6 @@ _ROWS = _TOKENS // _TPB  # packed rows per block
 _TOP = 3.0  # the largest uniform 2-bit level
 _ROUND = 12582912.0  # 1.5 * 2^23: u + _ROUND holds round-half-even(u) in its low bits
 _META = 2  # lo, scale
-
-
-def _bf16_tiles(minor: int) -> tuple:
-    """Shared-memory transforms of a bf16 MMA operand whose rows have `minor` elements."""
-    swizzle = min(2 * minor, 128)
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
 def _store_codes(v: jax.Array, mask: jax.Array, ref, *, channel_major: bool, interpret: bool) -> None:
@@ -277,9 +272,8 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
         t_pad = max(start + _TOKENS * n_blocks, _TOKENS) if interpret or t < _TOKENS else t
         x = jnp.pad(x, ((0, 0), (0, max(t_pad, t) + -max(t_pad, t) % 8 - t), (0, 0), (0, 0)),
                     constant_values=jnp.nan if interpret else 0)  # NaN: a mask that fails shows
-    rot_t = jnp.swapaxes(rot.astype(jnp.float32), 1, 2)  # [Hkv, D out, D in]: the B operand, K-major
-    rot_hi = rot_t.astype(jnp.bfloat16)
-    rot_lo = (rot_t - rot_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    # [Hkv, D out, D in]: the B operand, K-major
+    rot_hi, rot_lo = (jnp.swapaxes(r, 1, 2) for r in split_rotation(rot))
     rows = _ROWS * n_blocks
     codes_shape = (b, hkv, d, rows) if channel_major else (b, hkv, rows, d)
     staging = (warpgroups, 2, d, _ROWS) if channel_major else (warpgroups, 2, _ROWS, d)
@@ -290,8 +284,8 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
                           interpret=interpret),
         out_type=[jax.ShapeDtypeStruct(codes_shape, jnp.uint8), meta_shape, meta_shape],
         scratch_types=dict(
-            rot_smem=plgpu.SMEM((2, d, d), jnp.bfloat16, transforms=_bf16_tiles(d)),
-            x_smem=plgpu.SMEM((warpgroups, buffers, _TOKENS, d), jnp.bfloat16, transforms=_bf16_tiles(d)),
+            rot_smem=plgpu.SMEM((2, d, d), jnp.bfloat16, transforms=hopper.bf16_tiles(d)),
+            x_smem=plgpu.SMEM((warpgroups, buffers, _TOKENS, d), jnp.bfloat16, transforms=hopper.bf16_tiles(d)),
             code_smem=plgpu.SMEM(staging, jnp.uint8),
             meta_smem=plgpu.SMEM((warpgroups, 2, _META, _TPB, _ROWS), jnp.bfloat16),
             rot_bar=plgpu.Barrier(num_arrivals=2),
