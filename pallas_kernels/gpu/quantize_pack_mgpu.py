@@ -16,7 +16,9 @@ warpgroup streams its x tiles [64, D] (bf16, one TMA each, `buffers` deep) and p
 
 The packing never leaves registers: in the WGMMA layout the four tokens of a byte row are
 rows held by lanes l, l ^ 4, l ^ 8, l ^ 12 (the same register), so each thread ORs its
-shifted codes, four to a 32-bit word, and two butterfly shuffles combine the lanes. The
+shifted codes, four to a 32-bit word, and two butterfly shuffles combine the lanes; one
+more shuffle with a neighbour and a byte permute (prmt) make each lane's word four bytes in
+a row of the layout, stored as one 32-bit word (`_store_codes`). The
 16 packed rows [16, D] (K, token-major) or their transpose [D, 16] (V, channel-major) and
 the block's lo / scale [4, 16] (token 4 i + s at [s, i]) go to shared memory and out by TMA.
 
@@ -74,7 +76,7 @@ def _store_codes(v: jax.Array, mask: jax.Array, ref, *, channel_major: bool, int
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
     def store(ctx, array, mask, out):
         del ctx
-        i8, i16, i32 = (ir.IntegerType.get_signless(n) for n in (8, 16, 32))
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         const = lambda x: arith.constant(i32, x)
         base = mgpu.utils.memref_ptr(out)
         regs = array.registers  # [1, D/8, 1, 1, 2 row halves, 1, 1, 1, 1] of vector<2xf32>
@@ -99,24 +101,35 @@ def _store_codes(v: jax.Array, mask: jax.Array, ref, *, channel_major: bool, int
             for distance in (4, 8):  # the other three token slots of these byte rows
                 word = arith.ori(word, mgpu.utils.shfl_bfly(word, distance))
             words.append(word)
-        # The four lanes of a byte row now hold the same words: lane slot s stores j = 4 k + s.
+        # The four lanes of a byte row now hold the same words: lane slot s takes j = 4 k + s.
+        # Its word's bytes are (row i0, column c), (i0, c + 1), (i0 + 2, c), (i0 + 2, c + 1);
+        # one more shuffle with a neighbour and a byte permute (prmt, selectors with the
+        # first operand's bytes 0-3 and the second's 4-7) make it 4 bytes in a row of the
+        # layout, stored as one 32-bit word:
+        #   V (channel-major): lanes l, l ^ 16 hold rows i0 = 4 w + {0, 1}; the first stores
+        #   column c, rows 4 w .. 4 w + 3, the second column c + 1;
+        #   K (token-major): lanes l, l ^ 1 hold columns c = 4 m + {0, 2}; the first stores
+        #   row i0, columns 4 m .. 4 m + 3, the second row i0 + 2.
+        if channel_major:
+            partner_distance, second = 16, arith.andi(i0, const(1))
+            selectors = (0x6240, 0x3715)
+        else:
+            partner_distance, second = 1, arith.andi(arith.shrui(col0, const(1)), const(1))
+            selectors = (0x5410, 0x3276)
+        is_second = arith.cmpi(arith.CmpIPredicate.ne, second, const(0))
+        selector = arith.select(is_second, const(selectors[1]), const(selectors[0]))
         for k in range(len(words) // 4):
             word = words[4 * k]
             for s in range(1, 4):
                 word = arith.select(arith.cmpi(arith.CmpIPredicate.eq, slot, const(s)), words[4 * k + s], word)
+            value = mgpu.utils.prmt(word, mgpu.utils.shfl_bfly(word, partner_distance), selector)
             col = arith.addi(arith.addi(col0, const(32 * k)), arith.muli(slot, const(8)))
-            if channel_major:  # byte (c, i) at c * 16 + i
-                for half in range(2):
-                    for e in range(2):
-                        value = arith.trunci(i8, arith.shrui(word, const(8 * (2 * half + e))))
-                        at = arith.addi(arith.muli(arith.addi(col, const(e)), const(_ROWS)),
-                                        arith.addi(i0, const(2 * half)))
-                        llvm.store(value, mgpu.utils.getelementptr(base, [at], i8))
-            else:  # bytes (i, c), (i, c + 1) at i * D + c: one 16-bit store per byte row
-                for half in range(2):
-                    value = arith.trunci(i16, arith.shrui(word, const(16 * half)))
-                    at = arith.addi(arith.muli(arith.addi(i0, const(2 * half)), const(d)), col)
-                    llvm.store(value, mgpu.utils.getelementptr(base, [at], i8))
+            if channel_major:  # byte (c, i) at c * 16 + i: column c + second, rows from 4 w
+                at = arith.addi(arith.muli(arith.addi(col, second), const(_ROWS)), arith.subi(i0, second))
+            else:  # byte (i, c) at i * D + c: row i0 + 2 second, columns from 4 m
+                at = arith.addi(arith.muli(arith.addi(i0, arith.muli(second, const(2))), const(d)),
+                                arith.subi(col, arith.muli(second, const(2))))
+            llvm.store(value, mgpu.utils.getelementptr(base, [at], i8))
 
     store(v, mask, ref)
 
