@@ -93,7 +93,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
     `params.query_rot`) and the back-rotation (by `params.output_rot`) happen
     here, in XLA. rotates: the kernel does both itself. It takes the model-basis q as it is,
     the rotations as `query_rot=` and `output_rot=` f32 [Hkv, D, D] (output_rot None when
-    params.v_folded), and returns o in the model basis (the R_V basis when v_folded).
+    params.v_folded) and `out_dtype=` q.dtype, and returns o in the model basis (the R_V
+    basis when v_folded) in that dtype (written by the kernel: no XLA convert after it).
     """
 
     def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None):
@@ -103,7 +104,7 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
         heads = (b, c, spec.kv_heads, hq // spec.kv_heads, d)  # query head h * g + i of KV head h
         scale = spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale
         if rotates:
-            q_in, extra = q, {"query_rot": params.query_rot,
+            q_in, extra = q, {"query_rot": params.query_rot, "out_dtype": q.dtype,
                               "output_rot": None if params.v_folded else params.output_rot}
         else:
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,

@@ -89,20 +89,21 @@ def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, rotate: bool,
         r_rows = plgpu.load(rot_ref.at[h, out_cols[:, None], mcol[None, :]])  # [DB, D]
         o = lax.dot_general(r_rows, o, (((1,), (0,)), ((), ())), precision=rotation_precision(interpret),
                             preferred_element_type=jnp.float32)
-    plgpu.store(o_ref.at[b, h, queries[None, :], out_cols[:, None]], o)
+    plgpu.store(o_ref.at[b, h, queries[None, :], out_cols[:, None]], o.astype(o_ref.dtype))
     lse = jnp.where(seen, (top_q + jnp.log2(jnp.where(seen, total, 1.0))) * _LN2, -jnp.inf)
     plgpu.store(lse_out_ref.at[b, h, queries], lse)  # the same in every channel block
 
 
-def decode_finish(o_t, lse2, counts, *, cols: int, g: int, output_rot=None, interpret: bool = False):
+def decode_finish(o_t, lse2, counts, *, cols: int, g: int, output_rot=None, out_dtype=jnp.float32,
+                  interpret: bool = False):
     """Merge the partials, rotate back.
 
     o_t: f32 [B, Hkv, S, D, 8] normalised partials, column c for query c % cols; lse2: f32
     [B, Hkv, S, 8] their log-sum-exp in base 2 (-inf: nothing seen); counts: int32 [B, Hkv],
     the partials each (row, head) has, its first ones (the rest unread, any bits);
     output_rot: f32 [Hkv, D, D] or None (o = o_rot · output_rot[h]^T when given; each channel block then merges all D,
-    which the Mosaic GPU path does only at D <= 128). Returns (o f32 [B, Hkv, g, D], lse f32
-    [B, Hkv, g], natural base).
+    which the Mosaic GPU path does only at D <= 128). Returns (o out_dtype [B, Hkv, g, D]
+    (written so by the kernel: no XLA convert after it), lse f32 [B, Hkv, g], natural base).
     """
     b, hkv, splits, d = o_t.shape[:4]
     if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= cols <= 8:
@@ -115,7 +116,7 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, output_rot=None, inte
     rotate = output_rot is not None
     arrays = (o_t, lse2, counts, *((output_rot.astype(jnp.float32),) if rotate else ()))
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), jnp.float32), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), out_dtype), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     return pl.pallas_call(
         functools.partial(_kernel, g=g, cols=cols, rotate=rotate, interpret=interpret),
         grid=(b, hkv, d // min(d, _D_BLOCK)),
