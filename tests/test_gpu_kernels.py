@@ -438,8 +438,8 @@ def test_mgpu_schedule():
     that make at most the target."""
     schedule = mixed_attention_mgpu.schedule
     loads = lambda line: np.diff(line.bounds)
-    wg, buffers, line = schedule(64, 512, 128, dense_blocks=5)  # B8 H8 128K: 394 of 396 slots
-    assert (wg, buffers, line.dense, line.programs, loads(line).max()) == (3, 2, 4, 394, 84)
+    wg, buffers, line = schedule(64, 512, 128, dense_blocks=5)  # B8 H8 128K: 395 of 396 slots
+    assert (wg, buffers, line.dense, line.programs, loads(line).max()) == (3, 2, 4, 395, 85)
     wg, buffers, line = schedule(8, 512, 128, dense_blocks=5)  # B1 128K
     assert (wg, line.programs, loads(line).max()) == (3, 376, 11)
     wg, buffers, line = schedule(64, 1, 128, dense_blocks=5)  # short histories: few programs, 1 a block
@@ -459,6 +459,8 @@ def test_mgpu_schedule():
             schedule(64, 512, 128, warpgroups=3, buffers=bad)
     with pytest.raises(ValueError, match="per_program"):
         mixed_attention_mgpu.WorkLine.cut(4, 3, 2, 6)
+    with pytest.raises(ValueError, match="switch"):
+        mixed_attention_mgpu.WorkLine.cut(4, 3, 2, 2, -1)
 
 
 @settings(max_examples=200, deadline=None)
@@ -467,11 +469,13 @@ def test_work_line_covers_every_unit_once(pairs, tiles, dense, data):
     """WorkLine against a direct enumeration: every history tile of every pair is in exactly
     one program's piece and every sink and ring in exactly one program, never cut; programs
     touch at most two pairs and take at most per_program units (more only for a sink and ring
-    longer than that); a pair's pieces take partials 0, 1, ... in program order and its sink
-    and ring the last of its `tables` count."""
+    longer than that, fewer by up to `switch` where they reach into a second pair); a pair's
+    pieces take partials 0, 1, ... in program order and its sink and ring the last of its
+    `tables` count."""
     unit = tiles + dense
     per_program = data.draw(st.integers(1, unit))
-    line = mixed_attention_mgpu.WorkLine.cut(pairs, tiles, dense, per_program)
+    switch = data.draw(st.integers(0, unit))
+    line = mixed_attention_mgpu.WorkLine.cut(pairs, tiles, dense, per_program, switch)
     bounds, first, counts = line.tables()
     seen_tiles = np.zeros((pairs, tiles), int)
     dense_at = np.full(pairs, -1)

@@ -98,6 +98,11 @@ _REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16]
 # it nearer 1.3 (the 128K kernel 3.3 us longer), but 1.3, together with earlier first loads,
 # timed the same (bench/results/kernels_session10_h200.json, run 3).
 _DENSE_TILE_COST = 0.8
+# Work-line units a program that reaches into a second pair gives up (`WorkLine.cut`): the
+# second piece's start (its q, its first tiles) and the first one's store. H200, B8 H32/8
+# 128K, one run (bench/results/kernels_session14_ab_h200.json): 0 took 0.2199 ms, 6 0.2150,
+# 8 0.2137, 10 0.2136, 12 0.2154, 16 0.2157; at 32K and B1 128K 8 timed as 0 (within 0.4%).
+_SWITCH_COST = 8
 
 
 def _code_shift(s: int, scaled: bool) -> tuple[int, int]:
@@ -371,17 +376,6 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
         r_begin = t_begin * _ROWS
         r_end = jnp.minimum(t_end * _ROWS, valid_rows)
         steps = (jnp.maximum(r_end - r_begin, 0) + _ROWS - 1) // _ROWS
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)  # q_hi, q_lo
-        plgpu.copy_gmem_to_smem(qcol_ref.at[b, h], qcol_smem, q_bar)  # q_step, Σq tiles
-        plgpu.barrier_wait(q_bar)
-        q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
-        q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
-        q_steps = []  # the raw scores of slice s come times _SLICE_SCALE[s] (`_slice_codes`, scaled)
-        for t in range(n_tiles):
-            factor = 1.0 / _SLICE_SCALE[t * packed]
-            for j in range(1, packed):
-                factor = jnp.where(col_block == j, 1.0 / _SLICE_SCALE[t * packed + j], factor)
-            q_steps.append(q_step * factor)
 
         def by_block(vectors):
             """[64] per slice of a tile -> [64, 8]: column block j takes the vector of slice j."""
@@ -402,6 +396,17 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
 
         for j in range(buffers - 1):  # the first buffers - 1 steps are in flight before step 0
             pl.when(j < steps)(functools.partial(issue, j, j))
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)  # q_hi, q_lo (with the first tiles)
+        plgpu.copy_gmem_to_smem(qcol_ref.at[b, h], qcol_smem, q_bar)  # q_step, Σq tiles
+        plgpu.barrier_wait(q_bar)
+        q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
+        q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
+        q_steps = []  # the raw scores of slice s come times _SLICE_SCALE[s] (`_slice_codes`, scaled)
+        for t in range(n_tiles):
+            factor = 1.0 / _SLICE_SCALE[t * packed]
+            for j in range(1, packed):
+                factor = jnp.where(col_block == j, 1.0 / _SLICE_SCALE[t * packed + j], factor)
+            q_steps.append(q_step * factor)
 
         def a_operand(codes, s, stage, scaled=False):
             """Slice s of a packed code tile as an MMA A operand: registers when compiled; staged
@@ -515,7 +520,7 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
         def _():
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, part])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, part])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem free for the next piece
 
     def dense(b, h, part):
         """The sink and ring of pair (b, h) -> partial `part`."""
@@ -528,7 +533,7 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
         def _():
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, part])
             plgpu.copy_smem_to_gmem(dense_smem["lse16_smem"].at[pl.ds(0, _N)], lse_ref.at[b, h, part])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem free for the next piece
 
     def piece(i):
         """This program's i-th pair: its sink and ring where their units are this program's,
@@ -577,17 +582,22 @@ class WorkLine:
         return len(self.bounds) - 1
 
     @classmethod
-    def cut(cls, pairs: int, tiles: int, dense: int, per_program: int) -> "WorkLine":
+    def cut(cls, pairs: int, tiles: int, dense: int, per_program: int, switch: int = 0) -> "WorkLine":
         """Programs of per_program units (the last one fewer), each cut that would fall inside
-        a sink and ring moved to before it (or after it where the program would be empty)."""
+        a sink and ring moved to before it (or after it where the program would be empty);
+        a program that reaches into a second pair is `switch` units shorter (its second
+        piece's start and its first piece's end cost time of their own)."""
         unit, total = dense + tiles, pairs * (dense + tiles)
-        if min(pairs, tiles) < 1 or dense < 0 or not 1 <= per_program <= unit:
-            raise ValueError(f"pairs={pairs}, tiles={tiles}, dense={dense}, per_program={per_program}: "
-                             f"expected pairs, tiles >= 1, dense >= 0 and 1 <= per_program <= {unit}")
+        if min(pairs, tiles) < 1 or dense < 0 or switch < 0 or not 1 <= per_program <= unit:
+            raise ValueError(f"pairs={pairs}, tiles={tiles}, dense={dense}, per_program={per_program}, "
+                             f"switch={switch}: expected pairs, tiles >= 1, dense, switch >= 0 and "
+                             f"1 <= per_program <= {unit}")
         bounds = [0]
         while bounds[-1] < total:
             end = min(bounds[-1] + per_program, total)
             base = end // unit * unit
+            if bounds[-1] < base < end:  # two pairs
+                end = max(base, end - switch)
             if base < end < base + dense:
                 end = base if base > bounds[-1] else base + dense
             bounds.append(end)
@@ -635,10 +645,10 @@ def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: in
 
     def line_for(target: int) -> WorkLine:
         per_program = min(unit, -(-total // target))
-        line = WorkLine.cut(rows_and_heads, tiles, dense, per_program)
+        line = WorkLine.cut(rows_and_heads, tiles, dense, per_program, _SWITCH_COST)
         while line.programs > target and per_program < unit:  # the moved cuts added some
             per_program += 1
-            line = WorkLine.cut(rows_and_heads, tiles, dense, per_program)
+            line = WorkLine.cut(rows_and_heads, tiles, dense, per_program, _SWITCH_COST)
         return line
 
     if warpgroups is None:
@@ -675,7 +685,8 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool = False, target_programs: int | None = None, buffers: int | None = None,
                     warpgroups: int | None = None,
-                    query_rot: jax.Array | None = None, output_rot: jax.Array | None = None):
+                    query_rot: jax.Array | None = None, output_rot: jax.Array | None = None,
+                    out_dtype=jnp.float32):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
     except that both rotations may be left to this kernel.
 
@@ -686,8 +697,8 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     T_hist/4]; sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B]; output_rot f32
     [Hkv, D, D] or None (the output is rotated back, o = o_rot · output_rot[h]^T, by
     `decode_finish` at D <= 128 and by XLA at D = 256).
-    Returns (o f32 [B, 1, Hq, D]: o_rot, or rotated back when output_rot is given; lse f32
-    [B, 1, Hq]).
+    Returns (o out_dtype [B, 1, Hq, D]: o_rot, or rotated back when output_rot is given; lse
+    f32 [B, 1, Hq]).
     warpgroups: programs per block, each warpgroup one program with its own buffers and
     barriers. 3 puts 3 programs on an SM (ptxas then fits a thread into 168 registers, spilling
     76 bytes, where 1 program per block took 213 and 2 programs per SM): at B8 H32/8 on the
@@ -782,8 +793,10 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     # blocks merge all 256 channels of every partial, so XLA rotates there (Gemma-3 B8 32K on
     # the H200, session 8: 0.110 ms so, 0.162 fused; bench/results/kernels_session8_h200.json).
     fused_rot = output_rot if d <= 128 else None
+    xla_rot = output_rot is not None and fused_rot is None
     o, lse = decode_finish(o_t, lse2, jnp.asarray(partials.reshape(b, hkv)), g=g, cols=cols,
-                           output_rot=fused_rot, interpret=interpret)
-    if output_rot is not None and fused_rot is None:
-        o = jnp.einsum("bhge,hde->bhgd", o, output_rot, precision=lax.Precision.HIGHEST)
+                           output_rot=fused_rot, out_dtype=jnp.float32 if xla_rot else out_dtype,
+                           interpret=interpret)
+    if xla_rot:
+        o = jnp.einsum("bhge,hde->bhgd", o, output_rot, precision=lax.Precision.HIGHEST).astype(out_dtype)
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
