@@ -512,7 +512,8 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     a TF32 rotation's ~5e-4). The partials take two merge steps at D = 256, the second
     ragged (one masked step elsewhere). Query 0's lses lie 200 above the others, so a global
     rather than per-query max underflows. Each (row, head) uses its first `counts` partials
-    (the work line's pieces); the rest hold NaN and must be left unread."""
+    (the work line's pieces); the rest hold NaN and must be left unread. out_dtype bf16 (D = 128)
+    gives the f32 result rounded once."""
     rng = np.random.default_rng([d, g, splits])
     b, hkv = 4, 2
     o_t = jnp.asarray(rng.standard_normal((b, hkv, splits, d, 8)), jnp.float32)
@@ -527,7 +528,14 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
     o, lse = decode_finish.decode_finish(poisoned, jnp.asarray(np.where(unused[..., None], np.nan, lse2)),
                                          jnp.asarray(counts), cols=cols, g=g, output_rot=rot, interpret=interpret)
-    assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g)
+    assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g) and o.dtype == jnp.float32
+    if d == 128:  # out_dtype: one case (the cast is the store's, the same at every shape)
+        o_bf16, _ = decode_finish.decode_finish(poisoned, jnp.asarray(np.where(unused[..., None], np.nan, lse2)),
+                                                jnp.asarray(counts), cols=cols, g=g, output_rot=rot,
+                                                out_dtype=jnp.bfloat16, interpret=interpret)
+        assert o_bf16.dtype == jnp.bfloat16  # the f32 result, rounded once at the store
+        np.testing.assert_array_equal(np.asarray(o_bf16, np.float32),
+                                      np.asarray(o.astype(jnp.bfloat16), np.float32))
 
     hi = jax.lax.Precision.HIGHEST
     owner = np.arange(8) % cols  # the query of each partial column
