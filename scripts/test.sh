@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -n 2 -q "$@"
+exec .venv/bin/python -m pytest -n 2 --dist worksteal -q "$@"
