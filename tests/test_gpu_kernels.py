@@ -527,13 +527,13 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     unused = np.arange(splits)[None, None, :] >= counts[:, :, None]  # [B, Hkv, S]
     poisoned = jnp.where(unused[..., None, None], jnp.nan, o_t)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
-    o, lse = decode_finish.decode_finish(poisoned, jnp.asarray(np.where(unused[..., None], np.nan, lse2)),
-                                         jnp.asarray(counts), cols=cols, g=g, output_rot=rot, interpret=interpret)
+    finish = functools.partial(decode_finish.decode_finish, poisoned,
+                               jnp.asarray(np.where(unused[..., None], np.nan, lse2)), jnp.asarray(counts),
+                               cols=cols, g=g, output_rot=rot, interpret=interpret)
+    o, lse = finish()
     assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g) and o.dtype == jnp.float32
     if d == 128:  # out_dtype: one case (the cast is the store's, the same at every shape)
-        o_bf16, _ = decode_finish.decode_finish(poisoned, jnp.asarray(np.where(unused[..., None], np.nan, lse2)),
-                                                jnp.asarray(counts), cols=cols, g=g, output_rot=rot,
-                                                out_dtype=jnp.bfloat16, interpret=interpret)
+        o_bf16, _ = finish(out_dtype=jnp.bfloat16)
         assert o_bf16.dtype == jnp.bfloat16  # the f32 result, rounded once at the store
         np.testing.assert_array_equal(np.asarray(o_bf16, np.float32),
                                       np.asarray(o.astype(jnp.bfloat16), np.float32))
