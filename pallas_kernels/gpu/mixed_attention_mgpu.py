@@ -6,14 +6,17 @@ Both products run on the tensor cores' int8 path (wgmma s8·s8 -> s32), straight
   scores = scale_s * (q_step * raw) + lo_s * Σq                        (per token, per query)
     (raw comes times _SLICE_SCALE[s], see below, and q_step is divided by it)
   online softmax over tokens, in base 2 (log2 e is folded into q)
-  out^T [D, 8] += vcode_s^T [D, 64] @ (254 w_hi + w_lo)_s [64, 8]  (one N = 16 s8 MMA: [w_hi | w_lo])
+  out^T [D, 8] += vcode_s^T [D, 64] @ (256 w_hi + w_lo)_s [64, 8]  (one N = 16 s8 MMA: [w_hi | w_lo])
 where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (~16 bits of q, finer than bf16)
-and w = p ∘ vscale_s ≈ (w_max / 127) * (w_hi + w_lo / 254) per step and query column, with
+and w = p ∘ vscale_s ≈ (w_max / 127) * (w_hi + w_lo / 256) per step and query column, with
 w_max the step's largest vscale (p <= 1 after the running max): it needs only the metadata,
 so its cross-warp reduction runs while the K products do (a bound from the weights
 themselves would put a second reduction after the softmax; ~15 bits of max w either way).
 Σ p·lo is kept per token and reduced once at the end; the rounding error of w is charged
 there to code - 1.5 rather than to code (uncentred, it cancelled badly against Σ p·lo).
+W = 256 w_hi + w_lo = round(w / w_step) comes from one FFMA (`_ROUND`: the integer lands in
+the float's low mantissa bits), w_lo its low byte and w_hi that of (W + 128) >> 8: no
+float-to-int conversions.
 
 Code tiles never pass through a float: token slice s of a packed 32-bit word is
 `(word >> 2s) & 0x03030303`, four int8 codes, which is one A-operand register of the
@@ -21,11 +24,19 @@ WGMMA 8-bit layout as it stands. On the K side a word holds 4 channels x 4 token
 cache's key layout), so a slice gives 4 channels of one token; on the V side the cache
 stores codes channel-major ([D, T_hist/4]: a word holds 16 tokens of one channel), so a
 slice gives 4 tokens of one channel, the K-major A operand of V^T·w (int8 wgmma takes
-both operands K-major only, which is why the V codes are stored transposed). The K side
-takes its slices scaled instead, `word & (0x03030303 << 2s)` for s < 3 (codes times 1, 4,
-16: no shift) and `(word >> 2) & 0x30303030` for s = 3 (times 16); each score tile's q_step
-divides the factor out per column block. The V slices share one accumulator, so they stay
-unscaled. Each thread loads only the metadata rows of its own column block.
+both operands K-major only, which is why the V codes are stored transposed). Slices are
+taken scaled instead where that is exact to undo, `(word >> 4 (s // 2)) & (0x03030303 <<
+2 (s % 2))` (codes times `_SLICE_SCALE` = 1, 4, 1, 4: one shift per word, shared by slices 2
+and 3): on the K side every score tile's q_step divides the factor out per column block; on
+the V side only where several slices share a tile (column block j holds slices j + P t,
+all with the same factor), undone once on the accumulator at a piece's end. Each thread
+loads only the metadata rows of its own column block.
+
+The kernel runs without Pallas's automatic barriers (`unsafe_no_auto_barriers`), which put
+one before each TMA copy (6 a step): shared-memory reuse is ordered by the step's own
+reductions (`_max_rows`, one barrier each, scratch alternating by step parity), the
+barriers after `_dense`'s MMAs and commit_smem after every store; each step's copies are
+issued by one warp (`one_warp`).
 
 With g <= 4 (at D <= 128) several token slices share one [64, 8] score tile, each in its
 own block of columns (`slices_per_tile`): q sits block-diagonally in the B operand, and
@@ -87,12 +98,17 @@ _N = start.N  # query columns (the smallest MMA N): g heads of one or more token
 _TPB = 4  # tokens per packed byte (2-bit codes)
 _COPIES = 6  # TMA copies per step: K codes, V codes, lo/scale of K and of V
 _Q_LO = start.Q_LO  # q ≈ q_step * (256 q_hi + q_lo)
-_W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 254), int8 w_hi and w_lo
-_W_LO = 254.0
+_W_MAX = 127.0  # w ≈ w_max / 127 * (w_hi + w_lo / 256), int8 w_hi and w_lo
+_W_LO = 256  # W = round(256 * 127 w / w_max) = 256 w_hi + w_lo: w_lo is W's low byte
+_ROUND = 1.5 * 2.0 ** 23  # x + this rounds x (|x| < 2^22) to an integer, held in the low mantissa bits
+_ROUND_BITS = 0x4B400000  # the bits of _ROUND
 _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
-_SLICE_SCALE = (1, 4, 16, 16)  # K-side A operands: slice s codes times this (fewer shifts)
+# Scaled A operands: slice s codes times this, `(byte >> 4 (s // 2)) & (3 << 2 (s % 2))`: one
+# shift per word, shared by slices 2 and 3 (unscaled, slices 1-3 take one each).
+_SLICE_SCALE = (1, 4, 1, 4)
 _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
 _REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16] (4 warps x 32 lanes x 4)
+_MAX_SCRATCH = 32  # f32: one `_max_rows` of [64, 8] (4 lane groups x 4 warps x 2 columns)
 # Work of a 64-token bf16 block of the sink or ring, in 256-token history steps (work-line
 # units): session 8's estimate (~2 us a block against ~2.4 us a step). The session-10 A/B puts
 # it nearer 1.3 (the 128K kernel 3.3 us longer), but 1.3, together with earlier first loads,
@@ -107,17 +123,17 @@ _SWITCH_COST = 8
 
 def _code_shift(s: int, scaled: bool) -> tuple[int, int]:
     """(right shift, mask) of token slice s in a packed byte. scaled: the codes times
-    `_SLICE_SCALE[s]` (mask only for slices 0-2, one shift of 2 for slice 3; the largest
-    value, 48, stays a valid int8); else the codes themselves, `(byte >> 2s) & 3`."""
+    `_SLICE_SCALE[s]` (mask only for slices 0-1, a shift of 4 for slices 2-3, the same
+    shifted word); else the codes themselves, `(byte >> 2s) & 3`."""
     if not scaled:
         return 2 * s, 3
-    return (2, 0x30) if s == 3 else (0, 3 << (2 * s))
+    return 4 * (s // 2), 3 << (2 * (s % 2))
 
 
 def _slice_codes(packed: jax.Array, s: int, *, scaled: bool = False, interpret: bool) -> jax.Array:
     """uint8 [R, C] packed tile (WGMMA 8-bit layout) -> int8 [R, C]: the 2-bit codes of token
     slice s (times `_SLICE_SCALE[s]` when scaled), computed on whole 32-bit registers (an
-    and, and a shift for slices 1-3, or only slice 3 when scaled)."""
+    and, and a shift for slices 1-3, or for slices 2-3 when scaled)."""
     shift, mask = _code_shift(s, scaled)
     if interpret:
         return ((packed >> shift) & jnp.uint8(mask)).astype(jnp.int8)
@@ -143,7 +159,7 @@ def _slice_codes(packed: jax.Array, s: int, *, scaled: bool = False, interpret: 
 
 
 def _store_weights(w_smem, tiles, *, cols: int, zero: bool = False, interpret: bool) -> None:
-    """Store int32 [64, 8] weight tiles (WGMMA layout, values in [-127, 127]) as int8,
+    """Store int32 [64, 8] weight tiles (WGMMA layout) as int8 (each element's low byte),
     transposed, into the K-major B operands of the V products, w_smem [4, 16, 64] int8
     (slice, 8 k + column with k = 0 for w_hi and 1 for w_lo, token; tiled (8, 64), 64-byte
     swizzle: each [8, 64] tile is 512 contiguous bytes): tiles[2 t + k] holds, in
@@ -164,7 +180,7 @@ def _store_weights(w_smem, tiles, *, cols: int, zero: bool = False, interpret: b
             for k in range(2):
                 x = jnp.zeros((_ROWS, _N), jnp.int32) if zero else \
                     jnp.where(col_block == s % packed, tiles[2 * (s // packed) + k], 0)
-                w_smem.at[s, pl.ds(_N * k, _N)].T[...] = x.astype(jnp.int8)
+                w_smem.at[s, pl.ds(_N * k, _N)].T[...] = (((x & 0xFF) ^ 0x80) - 0x80).astype(jnp.int8)
         return
 
     @plgpu.inline_mgpu(arg_types=((plgpu.Layout.WGMMA,) * len(tiles), plgpu.RefType(_int8_tiles(_ROWS))))
@@ -228,6 +244,20 @@ def _load_metadata(meta, t: int, packed: int) -> list:
     return load(meta)
 
 
+def _warpgroup_barrier(*, interpret: bool) -> None:
+    """All 4 warps of this warpgroup meet (the kernel runs without Pallas's automatic
+    barriers, `unsafe_no_auto_barriers`: see `_kernel`)."""
+    if interpret:
+        return
+
+    @plgpu.inline_mgpu()
+    def barrier(ctx):
+        del ctx
+        mgpu.utils.warpgroup_barrier()
+
+    barrier()
+
+
 def _reduce_rows(x: jax.Array, kind: str, scratch, *, interpret: bool) -> jax.Array:
     """f32 [R, N] (WGMMA layout, N = 8 or 16) -> [N]: max or sum over rows, i.e. across this
     warpgroup's warps, through its own shared-memory scratch f32 [512] (Pallas's reduction
@@ -245,6 +275,43 @@ def _reduce_rows(x: jax.Array, kind: str, scratch, *, interpret: bool) -> jax.Ar
     return reduce(x, scratch)
 
 
+def _max_rows(x: jax.Array, scratch, *, interpret: bool) -> jax.Array:
+    """f32 [64, 8] (WGMMA layout) -> [8]: the max over rows with one barrier: the max in each
+    thread and warp (butterfly shuffles), each warp's into scratch f32 [_MAX_SCRATCH], a
+    barrier, the max of the 4 warps' (two 16-byte loads). Mosaic GPU's `reduce` also puts a
+    barrier after the loads, for the scratch's next use; here the caller instead gives each
+    call scratch that nothing writes again before every warp has passed a later barrier."""
+    if interpret:
+        return x.max(axis=0)
+    out_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((_N,), jnp.float32, layout=out_layout))
+    def reduce(ctx, array, ref):
+        del ctx
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        const = lambda v: arith.constant(i32, v)
+        thread = mgpu.utils.thread_idx()
+        lane = arith.remui(thread, const(32))
+        warp = arith.divui(arith.remui(thread, const(128)), const(32))
+        regs = array.registers.reshape(2)  # rows r and r + 8 of this thread's 2 columns
+        v = arith.maximumf(regs[0], regs[1])
+        for distance in (4, 8, 16):  # the lanes of these 2 columns
+            v = arith.maximumf(v, mgpu.utils.shfl_bfly(v, distance))
+        group = arith.muli(arith.remui(lane, const(4)), const(4))  # this lane's columns' 4 slots
+        at = lambda x: arith.index_cast(index, arith.muli(x, const(2)))
+        vector.store(v, ref, [at(arith.addi(group, warp))])
+        mgpu.utils.warpgroup_barrier()
+        parts = vector.load(ir.VectorType.get((8,), ir.F32Type.get()), ref, [at(group)])
+        parts = [mgpu.utils.vector_slice(parts, slice(2 * w, 2 * w + 2)) for w in range(4)]
+        out = arith.maximumf(arith.maximumf(parts[0], parts[1]), arith.maximumf(parts[2], parts[3]))
+        layout = fa.WGMMA_LAYOUT.reduce((0,))
+        return mgpu.FragmentedArray(_registers=np.asarray([out], dtype=object).reshape(
+            layout.registers_shape((_N,))), _layout=layout, _is_signed=None)
+
+    return reduce(x, scratch)
+
+
 def _dense_blocks(sink: int, window: int) -> tuple[int, int]:
     """(sink blocks, all blocks) of 64 tokens of the bf16 sink and ring, each padded to whole
     blocks."""
@@ -253,14 +320,16 @@ def _dense_blocks(sink: int, window: int) -> tuple[int, int]:
 
 
 def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem, lse16_smem,
-           bars, reduce_rows, g: int, sink: int, window: int):
+           bars, reduce_rows, barrier, g: int, sink: int, window: int):
     """The bf16 sink and ring of one (batch row, KV head) in blocks of 64 tokens (both padded
     to whole blocks), on bf16 MMAs with tokens as M, in base 2 -> one more partial, o^T [D, 8]
     normalised into o_smem and its lse into lse16_smem[:8] (column c is query c; -inf past g):
       s^T [64, 16] = K [64, D] @ [q_hi | q_hi]^T + K @ [q_lo | q_lo]^T  (both halves: all of s)
       out^T [D, 16] += V^T [D, 64] @ [p_hi | p_lo] [64, 16]  (out = left + right half)
     q and p as bf16 hi + lo (~16 bits); K and V exact; f32 accumulators. Single-buffered: the
-    next block's K (V) is in flight while this block's softmax (next QK) runs.
+    next block's K (V) is in flight while this block's softmax (next QK) runs; each warp
+    reads its own rows of a block's K (V) in the MMA, so `barrier` (all warps done) comes
+    before the next block's copy into it.
     segments: (sink K, sink V, ring K, ring V) refs (the ring stands in for an empty sink)."""
     sk_ref, sv_ref, rk_ref, rv_ref = segments
     d = k_smem.shape[-1]
@@ -298,6 +367,7 @@ def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
+        barrier()
         pl.when(i + 1 < total)(lambda: issue(i + 1, 0))
         in_sink = i < sink_blocks
         j = jnp.where(in_sink, i, i - sink_blocks) * _ROWS + rows  # slot in its segment
@@ -319,6 +389,7 @@ def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem
             return acc_ref[...]
 
         pv_out = pl.run_scoped(pv, plgpu.ACC((d, 2 * _N), jnp.float32))
+        barrier()
         pl.when(i + 1 < total)(lambda: issue(i + 1, 1))
         return acc * by_col(alpha, (d, 2 * _N)) + pv_out, m_new, l
 
@@ -364,7 +435,32 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
     row_ids = plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=wgmma_layout)
     col_block = plgpu.broadcasted_iota(jnp.int32, tile, 1, layout=wgmma_layout) // (_N // packed)
     codes_layout = None if interpret else plgpu.Layout.WGMMA_8BIT
-    reduce_rows = functools.partial(_reduce_rows, scratch=red_smem, interpret=interpret)
+    reduce_rows = functools.partial(_reduce_rows, scratch=red_smem.at[pl.ds(0, _REDUCTION_SCRATCH)],
+                                    interpret=interpret)
+
+    def one_warp(fn):
+        """Run fn (a step's TMA copies) on warp wg % 4 of this warpgroup only, so the warpgroups
+        of a block issue from different schedulers; the other warps skip it (in Pallas's
+        warpgroup semantics all 4 warps compute every copy's coordinates and arrive on its
+        barrier, ~130 instructions a step)."""
+        if interpret:
+            return fn()
+        plgpu.warp_map(lambda warp: pl.when(warp == wg % 4)(fn))
+
+    def max_scratch(i, k):
+        """Scratch of step i's k-th `_max_rows` (0: the w bound, 1: the scores), by step parity:
+        its next writer, step i + 2, runs after every warp passed step i + 1's barriers."""
+        return red_smem.at[pl.ds(_REDUCTION_SCRATCH + (lax.rem(i, 2) * 2 + k) * _MAX_SCRATCH, _MAX_SCRATCH)]
+
+    def unscale(shape, t):
+        """f32 `shape` (WGMMA layout, 8 columns): column block j holds 1 / _SLICE_SCALE of slice
+        t * packed + j, the factor its scaled codes (`_slice_codes`) came times."""
+        blocks = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout) // (_N // packed)
+        factor = jnp.full(shape, 1.0 / _SLICE_SCALE[t * packed], jnp.float32)
+        for j in range(1, packed):
+            factor = jnp.where(blocks == j, 1.0 / _SLICE_SCALE[t * packed + j], factor)
+        return factor
+
     wgmma_tile = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
     _store_weights(w_smem, (wgmma_tile(tile).astype(jnp.int32),), cols=_N // packed, zero=True,
                    interpret=interpret)  # the zero columns of every V-product B operand
@@ -401,12 +497,7 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
         plgpu.barrier_wait(q_bar)
         q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
         q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
-        q_steps = []  # the raw scores of slice s come times _SLICE_SCALE[s] (`_slice_codes`, scaled)
-        for t in range(n_tiles):
-            factor = 1.0 / _SLICE_SCALE[t * packed]
-            for j in range(1, packed):
-                factor = jnp.where(col_block == j, 1.0 / _SLICE_SCALE[t * packed + j], factor)
-            q_steps.append(q_step * factor)
+        q_steps = [q_step * unscale(tile, t) for t in range(n_tiles)]  # K codes come scaled
 
         def a_operand(codes, s, stage, scaled=False):
             """Slice s of a packed code tile as an MMA A operand: registers when compiled; staged
@@ -423,7 +514,7 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
             acc, m, l_part, lo_part = carry
             slot = lax.rem(i, buffers)
             ahead = i + buffers - 1  # into the buffer step i - 1 read (its data is in registers)
-            pl.when(ahead < steps)(lambda: issue(ahead, lax.rem(ahead, buffers)))
+            one_warp(lambda: pl.when(ahead < steps)(lambda: issue(ahead, lax.rem(ahead, buffers))))
 
             with jax.named_scope("tma_wait"):  # phases name the regions of a Mosaic GPU profile
                 plgpu.barrier_wait(tile_bar(slot))
@@ -439,7 +530,8 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
                                        for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
                 else:
                     meta = [_load_metadata(meta_smem.at[slot], t, packed) for t in range(n_tiles)]
-                w_bound = reduce_rows(functools.reduce(jnp.maximum, [mt[3] for mt in meta]), "max")
+                w_bound = _max_rows(functools.reduce(jnp.maximum, [mt[3] for mt in meta]), max_scratch(i, 0),
+                                    interpret=interpret)
                 return packed_v, meta, w_bound
 
             def qk(*acc_refs):
@@ -464,21 +556,24 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
                         token = _TPB * (r0 + row_ids) + t * packed + col_block
                         sc = jnp.where(token < n_hist, sc, -jnp.inf)
                     scores.append(sc)
-                m_new = jnp.maximum(m, reduce_rows(functools.reduce(jnp.maximum, scores), "max"))
+                m_new = jnp.maximum(m, _max_rows(functools.reduce(jnp.maximum, scores), max_scratch(i, 1),
+                                                 interpret=interpret))
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if last else m_new  # finite if unmasked
                 alpha = jnp.exp2(m - m_use)
                 probs = [jnp.exp2(sc - by_col(m_use)) for sc in scores]
                 weights = [p * meta[t][3] for t, p in enumerate(probs)]
             with jax.named_scope("w_store"):
-                w_inv = jnp.where(w_bound > 0, _W_MAX / jnp.where(w_bound > 0, w_bound, 1.0), 0.0)
-                w_step = w_bound * (1.0 / (_W_MAX * _W_LO))  # one unit of 254 w_hi + w_lo
+                w_step = w_bound * (1.0 / (_W_MAX * _W_LO))  # one unit of W = 256 w_hi + w_lo
+                w_inv = jnp.where(w_bound > 0, 1.0 / jnp.where(w_bound > 0, w_step, 1.0), 0.0)
                 w_tiles, w_errors = [], []
                 for t, w in enumerate(weights):  # B operands of the V products, K-major [16, 64] int8
-                    x = w * by_col(w_inv)
-                    w_hi = jnp.round(x)
-                    w_lo = jnp.round((x - w_hi) * _W_LO)
-                    w_tiles += [w_hi.astype(jnp.int32), w_lo.astype(jnp.int32)]
-                    w_errors.append(w - (w_hi * _W_LO + w_lo) * by_col(w_step))
+                    # W = round(w / w_step) in [0, 256 * 127], by one FFMA: bits = _ROUND_BITS + W (no
+                    # float-to-int conversion and its clamps); the low bytes of bits and of
+                    # (bits + 128) >> 8 are w_lo = W - 256 w_hi in [-128, 127] and w_hi.
+                    bits = lax.bitcast_convert_type(w * by_col(w_inv) + _ROUND, jnp.int32)
+                    w_tiles += [(bits + _W_LO // 2) >> 8, bits]
+                    units = (bits - _ROUND_BITS).astype(jnp.float32)  # (not biased - _ROUND: XLA folds it)
+                    w_errors.append(w - units * by_col(w_step))
                 _store_weights(w_smem, w_tiles, cols=_N // packed, interpret=interpret)
                 plgpu.commit_smem()
 
@@ -494,7 +589,7 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
             def pv(acc_ref):
                 """out^T [D, 16] = V codes^T times [w_hi | w_lo], one N = 16 MMA per slice."""
                 for s in range(_TPB):
-                    plgpu.wgmma(acc_ref, a_operand(packed_v, s, stage_v), w_smem.at[s].T)
+                    plgpu.wgmma(acc_ref, a_operand(packed_v, s, stage_v, scaled=packed > 1), w_smem.at[s].T)
                 sums = partial_sums(l_part, lo_part)  # while the MMAs run
                 return acc_ref[...], sums
 
@@ -512,6 +607,8 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
                                                 functools.partial(step, last=True), carry)
         l, lo_acc = reduce_rows(l_part, "sum"), reduce_rows(lo_part, "sum")
         safe_l = jnp.where(l > 0, l, 1.0)
+        if packed > 1:  # column block j's V codes came times _SLICE_SCALE[j] (its slices j + P t)
+            acc = acc * unscale((head_dim, _N), 0)
         o_smem[...] = (acc + by_col(lo_acc, (head_dim, _N))) / by_col(safe_l, (head_dim, _N))
         lse_smem[...] = jnp.where(l > 0, m + jnp.log2(safe_l), -jnp.inf)  # base 2
         plgpu.commit_smem()
@@ -526,7 +623,8 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
         """The sink and ring of pair (b, h) -> partial `part`."""
         bars = (dense_bars.at[3 * wg], dense_bars.at[3 * wg + 1], dense_bars.at[3 * wg + 2])
         _dense(b, h, n_ref[b], qd_ref, (sk_ref, sv_ref, rk_ref, rv_ref), o_smem, bars=bars,
-               reduce_rows=reduce_rows, g=g, sink=sink, window=window, **dense_smem)
+               reduce_rows=reduce_rows, barrier=functools.partial(_warpgroup_barrier, interpret=interpret),
+               g=g, sink=sink, window=window, **dense_smem)
         plgpu.commit_smem()
 
         @pl.when(writes)
@@ -765,7 +863,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         w_smem=plgpu.SMEM((wgs, _TPB, 2 * _N, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS)),
         o_smem=plgpu.SMEM((wgs, d, _N), jnp.float32),
         lse_smem=plgpu.SMEM((wgs, _N), jnp.float32),
-        red_smem=plgpu.SMEM((wgs, _REDUCTION_SCRATCH), jnp.float32),
+        red_smem=plgpu.SMEM((wgs, _REDUCTION_SCRATCH + 4 * _MAX_SCRATCH), jnp.float32),
         q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
         tile_bars=plgpu.Barrier(num_arrivals=_COPIES, num_barriers=wgs * buffers),
         dense_bars=plgpu.Barrier(num_arrivals=1, num_barriers=3 * wgs))  # q; K; V
@@ -782,7 +880,11 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         grid=(-(-line.programs // wgs),),
         grid_names=("block",),
         **(dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # No automatic barriers (Pallas's own put one before every TMA copy: 6 a step): a
+        # buffer is copied into only after every warp has passed a barrier that follows its
+        # last read (a step's reductions, the end of a piece, `_dense`'s `barrier`), and
+        # every store to shared memory is followed by commit_smem (a fence and a barrier).
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
     o_t, lse2 = kernel(lengths.astype(jnp.int32), jnp.asarray(bounds), jnp.asarray(first), jnp.asarray(partials),
