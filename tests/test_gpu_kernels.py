@@ -514,7 +514,8 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     ragged (one masked step elsewhere). Query 0's lses lie 200 above the others, so a global
     rather than per-query max underflows. Each (row, head) uses its first `counts` partials
     (the work line's pieces); the rest hold NaN and must be left unread. out_dtype bf16 (D = 128)
-    gives the f32 result rounded once."""
+    gives the f32 result rounded once; at D = 256 the counts sit inside a longer table
+    (`counts_at`)."""
     rng = np.random.default_rng([d, g, splits])
     b, hkv = 4, 2
     o_t = jnp.asarray(rng.standard_normal((b, hkv, splits, d, 8)), jnp.float32)
@@ -527,9 +528,11 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     unused = np.arange(splits)[None, None, :] >= counts[:, :, None]  # [B, Hkv, S]
     poisoned = jnp.where(unused[..., None, None], jnp.nan, o_t)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
+    # D = 256: the counts inside a longer table, after 5 other entries (as the work line passes them)
+    table, at = (np.concatenate([rng.integers(0, 99, 5), counts.ravel()]).astype(np.int32), 5) if d == 256 else (counts, 0)
     finish = functools.partial(decode_finish.decode_finish, poisoned,
-                               jnp.asarray(np.where(unused[..., None], np.nan, lse2)), jnp.asarray(counts),
-                               cols=cols, g=g, output_rot=rot, interpret=interpret)
+                               jnp.asarray(np.where(unused[..., None], np.nan, lse2)), jnp.asarray(table),
+                               counts_at=at, cols=cols, g=g, output_rot=rot, interpret=interpret)
     o, lse = finish()
     assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g) and o.dtype == jnp.float32
     if d == 128:  # out_dtype: one case (the cast is the store's, the same at every shape)

@@ -40,11 +40,11 @@ def _pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, rotate: bool, interpret: bool):
+def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: int, rotate: bool, interpret: bool):
     rot_ref, o_ref, lse_out_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
     splits, d = ot_ref.shape[2], ot_ref.shape[3]
-    used = counts_ref[b, h]  # partials 0 .. used - 1 hold data
+    used = counts_ref[counts_at + b * pl.num_programs(1) + h]  # partials 0 .. used - 1 hold data
     db = min(d, _D_BLOCK)
     out_cols = pl.program_id(2) * db + jnp.arange(db)  # this program's output channels
     mcol = jnp.arange(d) if rotate else out_cols  # the channels it merges
@@ -94,13 +94,15 @@ def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, rotate: bool,
     plgpu.store(lse_out_ref.at[b, h, queries], lse)  # the same in every channel block
 
 
-def decode_finish(o_t, lse2, counts, *, cols: int, g: int, output_rot=None, out_dtype=jnp.float32,
-                  interpret: bool = False):
+def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, output_rot=None,
+                  out_dtype=jnp.float32, interpret: bool = False):
     """Merge the partials, rotate back.
 
     o_t: f32 [B, Hkv, S, D, 8] normalised partials, column c for query c % cols; lse2: f32
-    [B, Hkv, S, 8] their log-sum-exp in base 2 (-inf: nothing seen); counts: int32 [B, Hkv],
-    the partials each (row, head) has, its first ones (the rest unread, any bits);
+    [B, Hkv, S, 8] their log-sum-exp in base 2 (-inf: nothing seen); counts: int32, flat
+    elements counts_at + b Hkv + h = the partials (row b, head h) has, its first ones (the
+    rest unread, any bits): a [B, Hkv] array, or a longer table that holds them (a constant
+    with equal elements would be a broadcast kernel of its own in XLA);
     output_rot: f32 [Hkv, D, D] or None (o = o_rot · output_rot[h]^T when given; each channel block then merges all D,
     which the Mosaic GPU path does only at D <= 128). Returns (o out_dtype [B, Hkv, g, D]
     (written so by the kernel: no XLA convert after it), lse f32 [B, Hkv, g], natural base).
@@ -111,14 +113,16 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, output_rot=None, out_
                          "[B, Hkv, S, D, 8], [B, Hkv, S, 8] and 1 <= g <= cols <= 8")
     if output_rot is not None and output_rot.shape != (hkv, d, d):
         raise ValueError(f"output_rot.shape={output_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
-    if counts.shape != (b, hkv) or counts.dtype != jnp.int32:
-        raise ValueError(f"counts: {counts.dtype} {counts.shape}, expected int32 [B={b}, Hkv={hkv}]")
+    if counts.dtype != jnp.int32 or not 0 <= counts_at <= counts.size - b * hkv:
+        raise ValueError(f"counts: {counts.dtype} {counts.shape}, counts_at={counts_at}: expected int32 "
+                         f"holding B x Hkv = {b * hkv} counts from flat element counts_at on")
+    counts = counts.reshape(-1)
     rotate = output_rot is not None
     arrays = (o_t, lse2, counts, *((output_rot.astype(jnp.float32),) if rotate else ()))
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), out_dtype), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     return pl.pallas_call(
-        functools.partial(_kernel, g=g, cols=cols, rotate=rotate, interpret=interpret),
+        functools.partial(_kernel, g=g, cols=cols, counts_at=counts_at, rotate=rotate, interpret=interpret),
         grid=(b, hkv, d // min(d, _D_BLOCK)),
         in_specs=[full(x) for x in arrays],
         out_specs=[full(o) for o in out_shape],

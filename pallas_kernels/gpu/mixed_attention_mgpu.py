@@ -403,20 +403,21 @@ def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem
     lse16_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
+def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes, q_smem, qcol_smem, meta_smem, w_smem,
             o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, stage_k=None, stage_v=None,
             line: WorkLine, hist_tokens: int, head_dim: int, packed: int, buffers: int,
             sink: int, window: int, g: int, kv_heads: int, warpgroups: int, interpret: bool):
     # Program k = warpgroup wg of block `block` takes units [bounds[k], bounds[k + 1]) of the
-    # work line (`WorkLine`; its tables: bounds, each pair's first program and its partials):
-    # pieces of one or two (batch row, KV head) pairs. The last block's spare warpgroups
-    # compute the last program again and write nothing.
+    # work line (`WorkLine`; its tables, end to end in table_ref: bounds, each pair's first
+    # program and its partials): pieces of one or two (batch row, KV head) pairs. The last
+    # block's spare warpgroups compute the last program again and write nothing.
+    first_at, counts_at = line.programs + 1, line.programs + 1 + line.pairs
     wg = lax.axis_index("wg") if warpgroups > 1 else 0
     flat = lax.axis_index("block") * warpgroups + wg
     program = jnp.minimum(flat, line.programs - 1)
     writes = flat < line.programs
-    u0, u1 = bounds_ref[program], bounds_ref[program + 1]
+    u0, u1 = table_ref[program], table_ref[program + 1]
     (ck_smem, cv_smem), dense_smem = codes  # the history's code buffers, or the sink / ring's
     q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem = (
         ref.at[wg] for ref in (q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem))
@@ -638,8 +639,8 @@ def _kernel(n_ref, bounds_ref, first_ref, counts_ref, q_ref, qcol_ref, qd_ref, c
         then its history tiles here (both none where the units lie elsewhere)."""
         pair, owns_dense, t_begin, t_end = line.piece(u0, u1, i, jnp)
         b, h = pair // kv_heads, pair % kv_heads
-        pl.when(owns_dense)(lambda: dense(b, h, counts_ref[pair] - 1))
-        pl.when(t_end > t_begin)(lambda: history(b, h, t_begin, t_end, program - first_ref[pair]))
+        pl.when(owns_dense)(lambda: dense(b, h, table_ref[counts_at + pair] - 1))
+        pl.when(t_end > t_begin)(lambda: history(b, h, t_begin, t_end, program - table_ref[first_at + pair]))
 
     # Unrolled: inside a loop over the pieces the kernel took 80.9 against 58.9 us (H200, B8
     # 32K, where every program has one piece; bench/results/kernels_session11_h200.json run 2).
@@ -887,7 +888,10 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    o_t, lse2 = kernel(lengths.astype(jnp.int32), jnp.asarray(bounds), jnp.asarray(first), jnp.asarray(partials),
+    # The three tables as one constant: XLA makes a constant whose elements are all equal (first
+    # and partials, often) into a broadcast kernel of its own (~0.4 us each, 128K on the H200).
+    table = jnp.asarray(np.concatenate([bounds, first, partials]))
+    o_t, lse2 = kernel(lengths.astype(jnp.int32), table,
                        q_blocks, qcol, q_dense.reshape(b, hkv, 4 * _N, d), codes_k,
                        codes_v, *meta, *segments)
     # The merge of every (history piece or sink / ring, column block) partial, and the back-rotation:
@@ -896,7 +900,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     # the H200, session 8: 0.110 ms so, 0.162 fused; bench/results/kernels_session8_h200.json).
     fused_rot = output_rot if d <= 128 else None
     xla_rot = output_rot is not None and fused_rot is None
-    o, lse = decode_finish(o_t, lse2, jnp.asarray(partials.reshape(b, hkv)), g=g, cols=cols,
+    o, lse = decode_finish(o_t, lse2, table, counts_at=line.programs + 1 + line.pairs, g=g, cols=cols,
                            output_rot=fused_rot, out_dtype=jnp.float32 if xla_rot else out_dtype,
                            interpret=interpret)
     if xla_rot:
