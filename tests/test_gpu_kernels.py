@@ -819,3 +819,26 @@ def test_write_prompt_on_gpu(config):
     # A dense rotation adds bf16 rounding of x·R (1 ulp moves lo/scale and the codes near
     # a boundary): measured on an H200, <= 0.34% of code elements, by one level.
     test_write_prompt_pallas_matches_xla(config, "dense", 0, exact=False)
+
+
+def test_timeline_patch_applies_and_summarises():
+    """bench/timeline.py: its stamps patch still applies (each replaced text once) to
+    mixed_attention_mgpu.py, and its summary of synthetic stamps (program k ends at k + 1 us,
+    two programs per SM) gives the end times and each SM's idle time before the end."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "bench" / "timeline.py"
+    timeline = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location("timeline", path))
+    spec.loader.exec_module(timeline)
+    assert callable(timeline.instrumented().mixed_attention)
+    line = mixed_attention_mgpu.WorkLine.cut(4, 3, 1, 2)
+    n = line.programs
+    stamps = np.zeros((n + 2, 16), np.int32)  # two spare slots, ignored
+    stamps[:n, 0] = 500  # every start at 0.5 us
+    stamps[:n, 6] = 500 + 1000 * (np.arange(n) + 1)
+    stamps[:n, 2] = np.arange(n) // 2
+    out = timeline.summary(stamps, line)
+    ends = np.arange(n) + 1.0
+    last = ends.reshape(-1, 2).max(axis=1) if n % 2 == 0 else np.append(ends[:-1].reshape(-1, 2).max(axis=1), ends[-1])
+    assert out["programs"] == n and out["end_us"][100] == n and out["end_us"][0] == 1.0
+    assert out["sms"] == len(last) and out["mean_sm_idle_before_end_us"] == round(float(n - last.mean()), 1)

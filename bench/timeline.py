@@ -1,0 +1,133 @@
+"""Per-program timeline of the Mosaic GPU decode kernel: when each program ends, on which SM.
+
+Builds an instrumented copy of `mixed_attention_mgpu` (its source with three stamps per
+program: %globaltimer, %clock64 and %smid at the program's start, after its first piece and
+at its end, written to one more output) and runs the B8 H32/8 D128 decode at --seq tokens.
+The stamps cost a few instructions per program, none per step. Reports the spread of the
+programs' end times (the kernel ends with its last program), by kind of program (one or two
+pieces, with or without a sink and ring), and the time each SM idles before the kernel's end.
+
+Run on a GPU:  python bench/timeline.py --seq 131072 --out bench/results/timeline_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import kernels as bk  # noqa: E402
+from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as mm  # noqa: E402
+
+# (text of mixed_attention_mgpu.py, its instrumented replacement); each must occur once.
+_PATCH = [
+    ("sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes,",
+     "sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, t_ref, *, codes, stamp_smem,"),
+    ("    writes = flat < line.programs\n",
+     "    writes = flat < line.programs\n    stamp_smem = stamp_smem.at[wg]\n    _stamp(stamp_smem, 0)\n"),
+    ("    piece(0)\n    pl.when(line.pieces(u0, u1) > 1)(functools.partial(piece, 1))\n",
+     "    piece(0)\n    _stamp(stamp_smem, 3)\n    pl.when(line.pieces(u0, u1) > 1)(functools.partial(piece, 1))\n"
+     "    _stamp(stamp_smem, 6)\n    plgpu.commit_smem()\n    plgpu.copy_smem_to_gmem(stamp_smem, t_ref.at[flat])\n"
+     "    plgpu.wait_smem_to_gmem(0)\n"),
+    ("        red_smem=plgpu.SMEM(", "        stamp_smem=plgpu.SMEM((wgs, 16), jnp.int32),\n        red_smem=plgpu.SMEM("),
+    ("                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32)],",
+     "                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32),\n"
+     "                  jax.ShapeDtypeStruct((-(-line.programs // wgs) * wgs, 16), jnp.int32)],"),
+    ("    o_t, lse2 = kernel(", "    o_t, lse2, stamps = kernel("),
+    ("    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)",
+     "    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq), stamps"),
+]
+
+_STAMP = '''
+
+def _stamp(ref, col):
+    """ref int32 [16] (shared memory): ref[col], ref[col + 1], ref[col + 2] = the low 32 bits
+    of %globaltimer (ns) and of %clock64 (cycles), and %smid."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def stamp(ctx, r):
+        del ctx
+        i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
+        g = llvm.inline_asm(i64, [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True)
+        c = llvm.inline_asm(i64, [], "mov.u64 $0, %clock64;", "=l", has_side_effects=True)
+        s = llvm.inline_asm(i32, [], "mov.u32 $0, %smid;", "=r", has_side_effects=True)
+        for k, v in enumerate((arith.trunci(i32, g), arith.trunci(i32, c), s)):
+            memref.store(v, r, [arith.constant(index, col + k)])
+    stamp(ref)
+'''
+
+
+def instrumented() -> types.ModuleType:
+    """mixed_attention_mgpu with the stamps, as a module of the same package."""
+    src = open(mm.__file__).read()
+    for old, new in _PATCH:
+        if src.count(old) != 1:
+            raise RuntimeError(f"mixed_attention_mgpu.py changed: {old[:60]!r} is not there once")
+        src = src.replace(old, new)
+    mod = types.ModuleType(mm.__name__ + "_timed")
+    mod.__package__, mod.__file__ = mm.__package__, mm.__file__
+    sys.modules[mod.__name__] = mod  # (dataclasses look their module up)
+    exec(compile(src + _STAMP, mm.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def summary(stamps: np.ndarray, line) -> dict:
+    """stamps int32 [slots, 16] of one call, line its WorkLine -> end times (us from the first
+    start) by kind of program, and per SM."""
+    st = stamps[:line.programs].astype(np.int64)
+    t0 = st[:, 0].min()
+    start, end = (st[:, 0] - t0) / 1e3, (st[:, 6] - t0) / 1e3
+    u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
+    units, two = u1 - u0, np.asarray(line.pieces(u0, u1)) > 1
+    dense = (u0 % line.unit == 0) | two
+    pct = lambda x: {p: round(float(np.percentile(x, p)), 1) for p in (0, 10, 50, 90, 100)}
+    kinds = {}
+    for name, m in (("one piece", ~two), ("two pieces", two), ("sink and ring", dense), ("history only", ~dense)):
+        if m.any():
+            kinds[name] = {"programs": int(m.sum()), "mean_units": round(float(units[m].mean()), 1),
+                           "end_us": pct(end[m]), "us_per_unit": round(float(((end - start)[m] / units[m]).mean()), 3)}
+    last = {}
+    for sm, e in zip(st[:, 2], end):
+        last[int(sm)] = max(last.get(int(sm), 0.0), e)
+    last_end = np.asarray(list(last.values()))
+    return {"programs": line.programs, "start_spread_us": round(float(start.max()), 2), "end_us": pct(end),
+            "kinds": kinds, "sms": len(last), "sm_last_end_us": pct(last_end),
+            "mean_sm_idle_before_end_us": round(float(end.max() - last_end.mean()), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=131072)
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    timed = instrumented()
+    shape = bk.Shape("B8 H32/8 D128", 8, 32, 8, 128, args.seq)
+    cache, params, _, _ = bk.build_oscar(shape, jax.random.key(7))
+    q = jax.random.normal(jax.random.key(2), (8, 1, 32, 128), jnp.bfloat16)
+    spec = cache.spec
+    call = jax.jit(lambda qq, c: timed.mixed_attention(
+        qq, c.sink_k, c.sink_v, c.hist_codes_k, c.hist_codes_v, c.hist_lo_k, c.hist_scale_k, c.hist_lo_v,
+        c.hist_scale_v, c.recent_k, c.recent_v, c.lengths, sink=spec.sink, window=spec.window,
+        bits=spec.quant.bits, levels=spec.quant.levels, softmax_scale=spec.head_dim ** -0.5,
+        query_rot=params.query_rot, out_dtype=qq.dtype, output_rot=params.output_rot))
+    _, _, line = mm.schedule(8 * 8, -(-cache.hist_codes_k.shape[2] // 64), 128,
+                             dense_blocks=mm._dense_blocks(spec.sink, spec.window)[1])
+    runs = [np.asarray(call(q, cache)[2]) for _ in range(args.runs + 1)][1:]  # the first one warms up
+    res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "seq": args.seq,
+           "command": "python bench/timeline.py " + " ".join(sys.argv[1:]),
+           "summaries": [summary(r, line) for r in runs], "bounds": list(map(int, line.bounds)),
+           "stamps": [r.tolist() for r in runs]}
+    print(json.dumps(res["summaries"][-1], indent=1))
+    if args.out:
+        json.dump(res, open(args.out, "w"))
+
+
+if __name__ == "__main__":
+    main()
