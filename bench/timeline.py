@@ -41,6 +41,8 @@ _PATCH = [
      "                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32),\n"
      "                  jax.ShapeDtypeStruct((-(-line.programs // wgs) * wgs, 16), jnp.int32)],"),
     ("    o_t, lse2 = kernel(", "    o_t, lse2, stamps = kernel("),
+    ("    partials = line.tables()[2]  # per pair\n",
+     "    partials = line.tables()[2]  # per pair\n    globals()['last_line'] = line  # (for the summary)\n"),
     ("    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)",
      "    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq), stamps"),
 ]
@@ -85,7 +87,7 @@ def summary(stamps: np.ndarray, line) -> dict:
     start, end = (st[:, 0] - t0) / 1e3, (st[:, 6] - t0) / 1e3
     u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
     units, two = u1 - u0, np.asarray(line.pieces(u0, u1)) > 1
-    dense = (u0 % line.unit == 0) | two
+    dense = line.piece(u0, u1, 0)[1] | line.piece(u0, u1, 1)[1]  # a sink and ring in either piece
     pct = lambda x: {p: round(float(np.percentile(x, p)), 1) for p in (0, 10, 50, 90, 100)}
     kinds = {}
     for name, m in (("one piece", ~two), ("two pieces", two), ("sink and ring", dense), ("history only", ~dense)):
@@ -117,9 +119,8 @@ def main() -> None:
         c.hist_scale_v, c.recent_k, c.recent_v, c.lengths, sink=spec.sink, window=spec.window,
         bits=spec.quant.bits, levels=spec.quant.levels, softmax_scale=spec.head_dim ** -0.5,
         query_rot=params.query_rot, out_dtype=qq.dtype, output_rot=params.output_rot))
-    _, _, line = mm.schedule(8 * 8, -(-cache.hist_codes_k.shape[2] // 64), 128,
-                             dense_blocks=mm._dense_blocks(spec.sink, spec.window)[1])
     runs = [np.asarray(call(q, cache)[2]) for _ in range(args.runs + 1)][1:]  # the first one warms up
+    line = timed.last_line  # the call's work line, set when it was traced
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "seq": args.seq,
            "command": "python bench/timeline.py " + " ".join(sys.argv[1:]),
            "summaries": [summary(r, line) for r in runs], "bounds": list(map(int, line.bounds)),

@@ -472,12 +472,16 @@ def test_work_line_covers_every_unit_once(pairs, tiles, dense, data):
     touch at most two pairs and take at most per_program units (more only for a sink and ring
     longer than that, fewer by up to `switch` where they reach into a second pair); a pair's
     pieces take partials 0, 1, ... in program order and its sink and ring the last of its
-    `tables` count."""
+    `tables` count; `table` lays the three end to end at `table_offsets`."""
     unit = tiles + dense
     per_program = data.draw(st.integers(1, unit))
     switch = data.draw(st.integers(0, unit))
     line = mixed_attention_mgpu.WorkLine.cut(pairs, tiles, dense, per_program, switch)
     bounds, first, counts = line.tables()
+    table, (first_at, counts_at) = line.table(), line.table_offsets  # the kernels' one constant
+    assert table.dtype == np.int32 and len(table) == counts_at + pairs
+    for part, want in ((table[:first_at], bounds), (table[first_at:counts_at], first), (table[counts_at:], counts)):
+        np.testing.assert_array_equal(part, want)
     seen_tiles = np.zeros((pairs, tiles), int)
     dense_at = np.full(pairs, -1)
     parts = [[] for _ in range(pairs)]

@@ -412,7 +412,7 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
     # work line (`WorkLine`; its tables, end to end in table_ref: bounds, each pair's first
     # program and its partials): pieces of one or two (batch row, KV head) pairs. The last
     # block's spare warpgroups compute the last program again and write nothing.
-    first_at, counts_at = line.programs + 1, line.programs + 1 + line.pairs
+    first_at, counts_at = line.table_offsets
     wg = lax.axis_index("wg") if warpgroups > 1 else 0
     flat = lax.axis_index("block") * warpgroups + wg
     program = jnp.minimum(flat, line.programs - 1)
@@ -724,6 +724,17 @@ class WorkLine:
         first, last = program_of(base + self.dense), program_of(base + self.unit - 1)
         return bounds, first.astype(np.int32), (last - first + 2).astype(np.int32)
 
+    @property
+    def table_offsets(self) -> tuple[int, int]:
+        """Where the first programs and the partials of `tables()` start in `table()`."""
+        return self.programs + 1, self.programs + 1 + self.pairs
+
+    def table(self) -> np.ndarray:
+        """int32 [programs + 1 + 2 pairs]: `tables()` end to end, one constant for the kernels
+        (XLA makes a constant whose elements are all equal, as first and partials often are,
+        into a broadcast kernel of its own: ~0.4 us each, 128K on the H200)."""
+        return np.concatenate(self.tables())
+
 
 def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: int = 0,
              warpgroups: int | None = None, buffers: int | None = None,
@@ -843,7 +854,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     tiles = -(-hist_rows // _ROWS)
     warpgroups, buffers, line = schedule(b * hkv, tiles, d, dense_blocks=dense_blocks, warpgroups=warpgroups,
                                          buffers=buffers, target_programs=target_programs)
-    bounds, first, partials = line.tables()
+    partials = line.tables()[2]  # per pair
 
     wgs = warpgroups  # every buffer below is per warpgroup
     history_codes = (plgpu.SMEM((wgs, buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
@@ -888,9 +899,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
-    # The three tables as one constant: XLA makes a constant whose elements are all equal (first
-    # and partials, often) into a broadcast kernel of its own (~0.4 us each, 128K on the H200).
-    table = jnp.asarray(np.concatenate([bounds, first, partials]))
+    table = jnp.asarray(line.table())
     o_t, lse2 = kernel(lengths.astype(jnp.int32), table,
                        q_blocks, qcol, q_dense.reshape(b, hkv, 4 * _N, d), codes_k,
                        codes_v, *meta, *segments)
@@ -900,7 +909,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     # the H200, session 8: 0.110 ms so, 0.162 fused; bench/results/kernels_session8_h200.json).
     fused_rot = output_rot if d <= 128 else None
     xla_rot = output_rot is not None and fused_rot is None
-    o, lse = decode_finish(o_t, lse2, table, counts_at=line.programs + 1 + line.pairs, g=g, cols=cols,
+    o, lse = decode_finish(o_t, lse2, table, counts_at=line.table_offsets[1], g=g, cols=cols,
                            output_rot=fused_rot, out_dtype=jnp.float32 if xla_rot else out_dtype,
                            interpret=interpret)
     if xla_rot:
