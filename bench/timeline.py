@@ -5,7 +5,9 @@ program: %globaltimer, %clock64 and %smid at the program's start, after its firs
 at its end, written to one more output) and runs the B8 H32/8 D128 decode at --seq tokens.
 The stamps cost a few instructions per program, none per step. Reports the spread of the
 programs' end times (the kernel ends with its last program), by kind of program (one or two
-pieces, with or without a sink and ring), and the time each SM idles before the kernel's end.
+pieces, with or without a sink and ring), the time per history tile of the first and the
+second piece of two-piece programs (a line fit over their lengths; the second piece also
+holds the next pair's sink and ring) and the time each SM idles before the kernel's end.
 
 Run on a GPU:  python bench/timeline.py --seq 131072 --out bench/results/timeline_h200.json
 """
@@ -94,12 +96,20 @@ def summary(stamps: np.ndarray, line) -> dict:
         if m.any():
             kinds[name] = {"programs": int(m.sum()), "mean_units": round(float(units[m].mean()), 1),
                            "end_us": pct(end[m]), "us_per_unit": round(float(((end - start)[m] / units[m]).mean()), 3)}
+    pieces = {}  # two-piece programs: time of each piece = fixed + per tile * its history tiles
+    for name, i, t_begin, t_end in (("first", 0, st[:, 0], st[:, 3]), ("second", 1, st[:, 3], st[:, 6])):
+        _, own_dense, lo, hi = line.piece(u0, u1, i)
+        m = two & (own_dense if i else ~own_dense)  # the second piece starts with a sink and ring
+        if m.sum() > 2:
+            per_tile, fixed = np.polyfit(np.asarray(hi - lo)[m], (t_end - t_begin)[m] / 1e3, 1)
+            pieces[name] = {"programs": int(m.sum()), "us_per_tile": round(float(per_tile), 3),
+                            "fixed_us": round(float(fixed), 1)}
     last = {}
     for sm, e in zip(st[:, 2], end):
         last[int(sm)] = max(last.get(int(sm), 0.0), e)
     last_end = np.asarray(list(last.values()))
     return {"programs": line.programs, "start_spread_us": round(float(start.max()), 2), "end_us": pct(end),
-            "kinds": kinds, "sms": len(last), "sm_last_end_us": pct(last_end),
+            "kinds": kinds, "pieces": pieces, "sms": len(last), "sm_last_end_us": pct(last_end),
             "mean_sm_idle_before_end_us": round(float(end.max() - last_end.mean()), 1)}
 
 
@@ -118,7 +128,7 @@ def main() -> None:
         qq, c.sink_k, c.sink_v, c.hist_codes_k, c.hist_codes_v, c.hist_lo_k, c.hist_scale_k, c.hist_lo_v,
         c.hist_scale_v, c.recent_k, c.recent_v, c.lengths, sink=spec.sink, window=spec.window,
         bits=spec.quant.bits, levels=spec.quant.levels, softmax_scale=spec.head_dim ** -0.5,
-        query_rot=params.query_rot, out_dtype=qq.dtype, output_rot=params.output_rot))
+        query_rot=params.query_rot_parts, out_dtype=qq.dtype, output_rot=params.output_rot_parts))
     runs = [np.asarray(call(q, cache)[2]) for _ in range(args.runs + 1)][1:]  # the first one warms up
     line = timed.last_line  # the call's work line, set when it was traced
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "seq": args.seq,

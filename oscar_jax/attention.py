@@ -92,8 +92,9 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
     `interpret` is True when running on CPU (tests); q rotation (by
     `params.query_rot`) and the back-rotation (by `params.output_rot`) happen
     here, in XLA. rotates: the kernel does both itself. It takes the model-basis q as it is,
-    the rotations as `query_rot=` and `output_rot=` f32 [Hkv, D, D] (output_rot None when
-    params.v_folded) and `out_dtype=` q.dtype, and returns o in the model basis (the R_V
+    the rotations as `query_rot=` and `output_rot=`: their bf16 parts [Hkv, 2, D, D]
+    (`LayerParams.query_rot_parts`; f32 [Hkv, D, D] where params carry none; output_rot None
+    when params.v_folded) and `out_dtype=` q.dtype, and returns o in the model basis (the R_V
     basis when v_folded) in that dtype (written by the kernel: no XLA convert after it).
     """
 
@@ -104,8 +105,11 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
         heads = (b, c, spec.kv_heads, hq // spec.kv_heads, d)  # query head h * g + i of KV head h
         scale = spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale
         if rotates:
-            q_in, extra = q, {"query_rot": params.query_rot, "out_dtype": q.dtype,
-                              "output_rot": None if params.v_folded else params.output_rot}
+            # the rotations' bf16 parts, split once by LayerParams.create
+            query_rot = params.query_rot if params.query_rot_parts is None else params.query_rot_parts
+            output_rot = params.output_rot if params.output_rot_parts is None else params.output_rot_parts
+            q_in, extra = q, {"query_rot": query_rot, "out_dtype": q.dtype,
+                              "output_rot": None if params.v_folded else output_rot}
         else:
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
                                      precision=hi).reshape(q.shape), {}

@@ -45,6 +45,9 @@ class LayerParams:
     dual_k, dual_v: None for orthogonal rotations, else float32 [Hkv, D, D] =
       rot^{-T} (error-shaping calibrations): queries are rotated by the dual of
       R_K (q·R_K^{-T} · k·R_K = q·k) and outputs return by o = o_rot · dual_vᵀ.
+    query_rot_parts, output_rot_parts: bf16 [Hkv, 2, D, D], `query_rot` and `output_rot`
+      as hi + lo parts (`layout.split_bf16`), made once by `create` for the GPU decode
+      kernels' bf16 MMAs (which would otherwise split them on every call).
     """
 
     rot_k: jax.Array
@@ -55,6 +58,8 @@ class LayerParams:
     dual_k: jax.Array | None = None
     dual_v: jax.Array | None = None
     k_shift: jax.Array | None = None
+    query_rot_parts: jax.Array | None = None
+    output_rot_parts: jax.Array | None = None
 
     @property
     def query_rot(self) -> jax.Array:
@@ -93,11 +98,12 @@ class LayerParams:
                 raise ValueError(f"k_shift.shape={m.shape}: expected [D={d}], [Hkv, D] or [L, Hkv, D]")
             return jnp.broadcast_to(m, (num_layers, kv_heads, d))
 
-        return cls(rot(rot_k, "rot_k"), rot(rot_v, "rot_v"), clip(clip_k, "clip_k"),
-                   clip(clip_v, "clip_v"), v_folded,
-                   None if dual_k is None else rot(dual_k, "dual_k"),
-                   None if dual_v is None else rot(dual_v, "dual_v"),
-                   None if k_shift is None else shift(k_shift))
+        rk, rv = rot(rot_k, "rot_k"), rot(rot_v, "rot_v")
+        dk = None if dual_k is None else rot(dual_k, "dual_k")
+        dv = None if dual_v is None else rot(dual_v, "dual_v")
+        return cls(rk, rv, clip(clip_k, "clip_k"), clip(clip_v, "clip_v"), v_folded, dk, dv,
+                   None if k_shift is None else shift(k_shift),
+                   layout.split_bf16(rk if dk is None else dk), layout.split_bf16(rv if dv is None else dv))
 
     def layer(self, i: int) -> "LayerParams":
         return jax.tree.map(lambda x: x[i], self)

@@ -30,7 +30,9 @@ _LOGICAL = {
     LayerParams: {"rot_k": ("kv_heads", "head_dim", "head_dim"),
                   "rot_v": ("kv_heads", "head_dim", "head_dim"), "clip_k": (), "clip_v": (),
                   "dual_k": ("kv_heads", "head_dim", "head_dim"),
-                  "dual_v": ("kv_heads", "head_dim", "head_dim"), "k_shift": ("kv_heads", "head_dim")},
+                  "dual_v": ("kv_heads", "head_dim", "head_dim"), "k_shift": ("kv_heads", "head_dim"),
+                  "query_rot_parts": ("kv_heads", "parts", "head_dim", "head_dim"),
+                  "output_rot_parts": ("kv_heads", "parts", "head_dim", "head_dim")},
 }
 
 

@@ -104,3 +104,12 @@ def ring_position(n, j, sink: int, window: int):
     wrap = window * (-(-(sink + window) // window) + 1)
     p = n - 1 - lax.rem(n - 1 - sink - j + wrap, window)
     return jnp.where((p >= sink) & (p >= n - window), p, -1)
+
+
+def split_bf16(x, axis: int = -3):
+    """f32 x -> bf16 with a new axis of 2 at `axis`: [hi, lo], hi = x rounded to bf16 and
+    lo = x - hi rounded, so that x ≈ hi + lo to ~16 bits (what the GPU kernels' bf16 MMAs
+    take for the rotations: `LayerParams` splits them once, not per call)."""
+    x = jnp.asarray(x, jnp.float32)
+    hi = x.astype(jnp.bfloat16)
+    return jnp.stack([hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)], axis=axis)

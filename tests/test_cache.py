@@ -173,3 +173,22 @@ def test_history_byte_layout_after_write_prompt_and_appends():
         n += c
         check(cache)
     assert n.tolist() == [t, 27] and not np.any(cache.overflow)  # row 0: a full history
+
+
+def test_layer_params_split_the_kernel_rotations_once():
+    """LayerParams.create holds query_rot and output_rot (the duals where given) as bf16 hi +
+    lo parts for the GPU decode kernels: hi is the bf16 rounding, hi + lo within 2^-16 of
+    the largest entry, per layer and KV head, and layer(i) slices them with the rest."""
+    rng = np.random.default_rng(3)
+    layers, heads, d = 2, 3, 16
+    rot = lambda: np.linalg.qr(rng.standard_normal((layers, heads, d, d)))[0]
+    rk, rv, dual_v = rot(), rot(), rot() * 1.7
+    params = oj.LayerParams.create(rk, rv, 0.9, 0.8, num_layers=layers, kv_heads=heads, dual_v=dual_v)
+    for parts, want in ((params.query_rot_parts, rk), (params.output_rot_parts, dual_v)):
+        assert parts.shape == (layers, heads, 2, d, d) and parts.dtype == jnp.bfloat16
+        hi, lo = (np.asarray(parts[:, :, k], np.float32) for k in range(2))
+        np.testing.assert_array_equal(hi, np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16), np.float32))
+        assert np.max(np.abs(hi + lo - want)) <= 2.0 ** -16 * np.max(np.abs(want))
+        assert np.any(lo != 0)
+    one = params.layer(1)
+    np.testing.assert_array_equal(np.asarray(one.query_rot_parts), np.asarray(params.query_rot_parts[1]))

@@ -505,16 +505,16 @@ def test_work_line_covers_every_unit_once(pairs, tiles, dense, data):
         assert parts[pair] == list(range(counts[pair] - 1))
 
 
-# (D, g, cols as slices_per_tile gives, partials, rotate)
-FINISH_CASES = [(128, 3, 4, 5, True), (256, 4, 8, 19, False), (64, 2, 2, 6, True)]
+# (D, g, cols as slices_per_tile gives, partials, rotation: None, "f32" or its bf16 "parts")
+FINISH_CASES = [(128, 3, 4, 5, "parts"), (256, 4, 8, 19, None), (64, 2, 2, 6, "f32")]
 
 
 @pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
 def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=True):
     """decode_finish against an XLA oracle: a log-sum-exp over every partial column c % cols
     == i, with empty (-inf) partials and a row with none seen at all, in base 2; then
-    o_rot · R^T per KV head when the output rotation is given (to 1e-4: compiled, finer than
-    a TF32 rotation's ~5e-4). The partials take two merge steps at D = 256, the second
+    o_rot · R^T per KV head when the output rotation is given, f32 or as its bf16 parts (to
+    1e-4: finer than a TF32 rotation's ~5e-4). The partials take two merge steps at D = 256, the second
     ragged (one masked step elsewhere). Query 0's lses lie 200 above the others, so a global
     rather than per-query max underflows. Each (row, head) uses its first `counts` partials
     (the work line's pieces); the rest hold NaN and must be left unread. out_dtype bf16 (D = 128)
@@ -531,12 +531,13 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     counts[1, 0] = splits
     unused = np.arange(splits)[None, None, :] >= counts[:, :, None]  # [B, Hkv, S]
     poisoned = jnp.where(unused[..., None, None], jnp.nan, o_t)
-    rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32) if rotate else None
+    rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32)
     # D = 256: the counts inside a longer table, after 5 other entries (as the work line passes them)
     table, at = (np.concatenate([rng.integers(0, 99, 5), counts.ravel()]).astype(np.int32), 5) if d == 256 else (counts, 0)
     finish = functools.partial(decode_finish.decode_finish, poisoned,
                                jnp.asarray(np.where(unused[..., None], np.nan, lse2)), jnp.asarray(table),
-                               counts_at=at, cols=cols, g=g, output_rot=rot, interpret=interpret)
+                               counts_at=at, cols=cols, g=g, interpret=interpret,
+                               output_rot={None: None, "f32": rot, "parts": layout.split_bf16(rot)}[rotate])
     o, lse = finish()
     assert o.shape == (b, hkv, g, d) and lse.shape == (b, hkv, g) and o.dtype == jnp.float32
     if d == 128:  # out_dtype: one case (the cast is the store's, the same at every shape)
@@ -560,7 +561,8 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
         np.testing.assert_allclose(np.asarray(o[:, :, i]), np.asarray(want_o), rtol=1e-4, atol=1e-4)
 
 
-QUERY_LAYOUT_CASES = [(128, 4, True), (64, 1, False), (256, 3, True)]  # D = 256: on the GPU only
+# (D, g, rotation: None, "f32" or its bf16 "parts"); D = 256: on the GPU only
+QUERY_LAYOUT_CASES = [(128, 4, "parts"), (64, 1, None), (256, 3, "f32")]
 
 
 @pytest.mark.parametrize("d,g,rotate", QUERY_LAYOUT_CASES[:2])
@@ -573,12 +575,14 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     as the int8 split."""
     rng = np.random.default_rng([d, g])
     b, hkv, scale = 3, 2, d ** -0.5
-    q = jnp.asarray(rng.standard_normal((b, hkv * g, d)) * 3, jnp.float32)
+    # bf16 q with the rotation's parts (the models' case: two products), f32 q otherwise
+    q = jnp.asarray(rng.standard_normal((b, hkv * g, d)) * 3, jnp.bfloat16 if rotate == "parts" else jnp.float32)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32)
     packed = mixed_attention_mgpu.slices_per_tile(g, d)
-    blocks, qcol, q_dense = decode_start.decode_start(q, rot if rotate else None, kv_heads=hkv, softmax_scale=scale,
+    rot_in = {None: None, "f32": rot, "parts": layout.split_bf16(rot)}[rotate]
+    blocks, qcol, q_dense = decode_start.decode_start(q, rot_in, kv_heads=hkv, softmax_scale=scale,
                                                      packed=packed, interpret=interpret)
-    heads = q.reshape(b, hkv, g, d)
+    heads = q.astype(jnp.float32).reshape(b, hkv, g, d)
     want = jnp.einsum("bhgd,hde->bhge", heads, rot, precision=jax.lax.Precision.HIGHEST) if rotate else heads
     cols = 8 // packed
     owner = np.arange(8) % cols  # the query of each column; columns with owner >= g are padding
@@ -651,12 +655,12 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
 def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
     """B8 Hkv 8 at 32K, slices_per_tile 2 (D = 128), 1 (D = 256) and 2 at D = 64's 64-byte
     swizzle, 3 programs per block: Mosaic GPU's layout inference, wgmma and TMA checks for
-    sm_90, and the Triton lowering of decode_start and decode_finish (with and without the
-    rotations)."""
+    sm_90, and the Triton lowering of decode_start and decode_finish (without the rotations,
+    with f32 ones and, at D = 128 with a bf16 q, with their bf16 parts)."""
     b, hkv, rows, sink, window = 8, 8, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
-    args = (sds((b, 1, hkv * g, d), jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),
+    args = (sds((b, 1, hkv * g, d), bf if d == 128 else jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),
             sds((b, hkv, rows, d), u8), sds((b, hkv, d, rows), u8),
             *[sds((b, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
@@ -664,7 +668,7 @@ def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
                            levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False,
                            warpgroups=warpgroups)
     if rotate:
-        rot = sds((hkv, d, d), jnp.float32)
+        rot = sds((hkv, 2, d, d), bf) if d == 128 else sds((hkv, d, d), jnp.float32)
         _lower_for_h200(lambda *a: fn(*a[:-2], query_rot=a[-2], output_rot=a[-1]), (*args, rot, rot))
     else:
         _lower_for_h200(fn, args)
@@ -828,7 +832,8 @@ def test_write_prompt_on_gpu(config):
 def test_timeline_patch_applies_and_summarises():
     """bench/timeline.py: its stamps patch still applies (each replaced text once) to
     mixed_attention_mgpu.py, and its summary of synthetic stamps (program k ends at k + 1 us,
-    two programs per SM) gives the end times and each SM's idle time before the end."""
+    two programs per SM) gives the end times and each SM's idle time before the end, and the
+    per-tile fit of the pieces of two-piece programs."""
     import importlib.util
     import pathlib
     path = pathlib.Path(__file__).parents[1] / "bench" / "timeline.py"
@@ -846,3 +851,15 @@ def test_timeline_patch_applies_and_summarises():
     last = ends.reshape(-1, 2).max(axis=1) if n % 2 == 0 else np.append(ends[:-1].reshape(-1, 2).max(axis=1), ends[-1])
     assert out["programs"] == n and out["end_us"][100] == n and out["end_us"][0] == 1.0
     assert out["sms"] == len(last) and out["mean_sm_idle_before_end_us"] == round(float(n - last.mean()), 1)
+    # Two-piece programs whose pieces take 3 + 2 us a tile and 5 + 2.5 us a tile: the fit
+    # gives them back.
+    line = mixed_attention_mgpu.WorkLine.cut(8, 10, 1, 7)
+    u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
+    tiles = [np.asarray(line.piece(u0, u1, i)[3] - line.piece(u0, u1, i)[2]) for i in range(2)]
+    stamps = np.zeros((line.programs, 16), np.int32)
+    stamps[:, 3] = 1000 * (3 + 2 * tiles[0])
+    stamps[:, 6] = stamps[:, 3] + 1000 * (5 + 2.5 * tiles[1])
+    pieces = timeline.summary(stamps, line)["pieces"]
+    assert pieces["first"]["programs"] == pieces["second"]["programs"] == int((line.pieces(u0, u1) > 1).sum()) > 2
+    assert (pieces["first"]["us_per_tile"], pieces["first"]["fixed_us"]) == (2.0, 3.0)
+    assert (pieces["second"]["us_per_tile"], pieces["second"]["fixed_us"]) == (2.5, 5.0)

@@ -13,8 +13,10 @@ FMA dot over all 16 query rows took half of the kernel's instructions on the H20
 given the output rotation, rotates its block of the result back (rows of the rotation times
 o_rot; it then merges all D). The returned lse is in the natural base.
 
-Precision: the merge is exact f32; the rotation is three bf16 MMAs on the GPU (~17 bits) and
-exact f32 in interpret mode.
+Precision: the merge is exact f32; the rotation is bf16 MMAs of the hi + lo parts of the
+rotation and of the merged output (`decode_start.bf16_product`, ~16 bits), compiled and
+interpreted alike; given the rotation's parts ready (`layout.split_bf16`) the kernel splits
+only the output.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .decode_start import rotation_precision
+from .decode_start import bf16_parts, bf16_product
 
 _LN2 = math.log(2.0)
 _D_BLOCK = 64  # output channels per program
@@ -40,7 +42,7 @@ def _pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: int, rotate: bool, interpret: bool):
+def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: int, rotate: bool, split: bool):
     rot_ref, o_ref, lse_out_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
     splits, d = ot_ref.shape[2], ot_ref.shape[3]
@@ -86,9 +88,8 @@ def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: in
     seen = total > 0
     o = jnp.sum(acc[:, :, None] * sel[None, :, :], axis=1) / jnp.where(seen, total, 1.0)[None, :]  # [D_merged, 16]
     if rotate:  # o_model = R o_rot: rows out_cols of R
-        r_rows = plgpu.load(rot_ref.at[h, out_cols[:, None], mcol[None, :]])  # [DB, D]
-        o = lax.dot_general(r_rows, o, (((1,), (0,)), ((), ())), precision=rotation_precision(interpret),
-                            preferred_element_type=jnp.float32)
+        rows = lambda *k: plgpu.load(rot_ref.at[(h, *k, out_cols[:, None], mcol[None, :])])  # [DB, D]
+        o = bf16_product((rows(0), rows(1)) if split else bf16_parts(rows()), bf16_parts(o))
     plgpu.store(o_ref.at[b, h, queries[None, :], out_cols[:, None]], o.astype(o_ref.dtype))
     lse = jnp.where(seen, (top_q + jnp.log2(jnp.where(seen, total, 1.0))) * _LN2, -jnp.inf)
     plgpu.store(lse_out_ref.at[b, h, queries], lse)  # the same in every channel block
@@ -103,26 +104,28 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, o
     elements counts_at + b Hkv + h = the partials (row b, head h) has, its first ones (the
     rest unread, any bits): a [B, Hkv] array, or a longer table that holds them (a constant
     with equal elements would be a broadcast kernel of its own in XLA);
-    output_rot: f32 [Hkv, D, D] or None (o = o_rot · output_rot[h]^T when given; each channel block then merges all D,
-    which the Mosaic GPU path does only at D <= 128). Returns (o out_dtype [B, Hkv, g, D]
+    output_rot: f32 [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`) or None
+    (o = o_rot · output_rot[h]^T when given; each channel block then merges all D, which the
+    Mosaic GPU path does only at D <= 128). Returns (o out_dtype [B, Hkv, g, D]
     (written so by the kernel: no XLA convert after it), lse f32 [B, Hkv, g], natural base).
     """
     b, hkv, splits, d = o_t.shape[:4]
     if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= cols <= 8:
         raise ValueError(f"o_t.shape={o_t.shape}, lse2.shape={lse2.shape}, g={g}, cols={cols}: expected "
                          "[B, Hkv, S, D, 8], [B, Hkv, S, 8] and 1 <= g <= cols <= 8")
-    if output_rot is not None and output_rot.shape != (hkv, d, d):
-        raise ValueError(f"output_rot.shape={output_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
+    rotate, split = output_rot is not None, output_rot is not None and output_rot.ndim == 4
+    if rotate and output_rot.shape != ((hkv, 2, d, d) if split else (hkv, d, d)):
+        raise ValueError(f"output_rot.shape={output_rot.shape}: expected f32 [Hkv={hkv}, D={d}, D={d}] "
+                         "or its bf16 parts [Hkv, 2, D, D] (layout.split_bf16)")
     if counts.dtype != jnp.int32 or not 0 <= counts_at <= counts.size - b * hkv:
         raise ValueError(f"counts: {counts.dtype} {counts.shape}, counts_at={counts_at}: expected int32 "
                          f"holding B x Hkv = {b * hkv} counts from flat element counts_at on")
     counts = counts.reshape(-1)
-    rotate = output_rot is not None
-    arrays = (o_t, lse2, counts, *((output_rot.astype(jnp.float32),) if rotate else ()))
+    arrays = (o_t, lse2, counts, *((output_rot.astype(jnp.bfloat16 if split else jnp.float32),) if rotate else ()))
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), out_dtype), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     return pl.pallas_call(
-        functools.partial(_kernel, g=g, cols=cols, counts_at=counts_at, rotate=rotate, interpret=interpret),
+        functools.partial(_kernel, g=g, cols=cols, counts_at=counts_at, rotate=rotate, split=split),
         grid=(b, hkv, d // min(d, _D_BLOCK)),
         in_specs=[full(x) for x in arrays],
         out_specs=[full(o) for o in out_shape],

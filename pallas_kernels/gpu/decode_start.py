@@ -7,8 +7,10 @@ log2 e (every score of the decode is in base 2), and lays them out for `mixed_at
 the int8 q_hi / q_lo blocks and q_step / Σq tiles of the history's int8 MMAs, and the bf16
 hi + lo parts of the queries for the bf16 MMAs over the sink and ring.
 
-Precision: the rotation is three bf16 MMAs on the GPU (~17 bits) and exact f32 in interpret
-mode.
+Precision: the rotation is bf16 MMAs of the hi + lo parts (`bf16_product`) of the rotation
+and of q (q's lo is 0 when q is bf16: two products), ~16 bits, compiled and interpreted alike.
+Given the rotation's parts ready (`layout.split_bf16`, as `LayerParams` holds them) the
+kernel splits nothing of it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -34,11 +35,27 @@ _ROT_ELEMENTS = 16384
 _WARPS = 8
 
 
-def rotation_precision(interpret: bool):
-    """Precision of the in-kernel rotations: three bf16 MMAs per product on the GPU (~17 bits,
-    finer than the ~16 of the q_hi/q_lo split; six, for ~f32, took 10.3 against ~5 us per call
-    with TF32, which is too coarse), exact f32 in interpret mode."""
-    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+def bf16_parts(x: jax.Array) -> tuple[jax.Array, ...]:
+    """x (a kernel's tile) -> its bf16 parts: (x,) when x is bf16, else (hi, lo) with
+    x ≈ hi + lo (~16 bits)."""
+    if x.dtype == jnp.bfloat16:
+        return (x,)
+    x = x.astype(jnp.float32)
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def bf16_product(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
+    """f32 a @ b from the bf16 parts of each (`bf16_parts`; [M, K] and [K, N]): the products
+    of the parts but lo · lo, in f32 (~16 bits, as fine as the q_hi / q_lo split; TF32 is too
+    coarse, and six products for ~f32 took 10.3 against ~5 us a call)."""
+    dot = lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)
+    out = dot(a[0], b[0])
+    if len(b) > 1:
+        out += dot(a[0], b[1])
+    if len(a) > 1:
+        out += dot(a[1], b[0])
+    return out
 
 
 def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -52,8 +69,8 @@ def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, ja
     return hi.astype(jnp.int8), lo.astype(jnp.int8), unit / Q_LO
 
 
-def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpret: bool):
-    """One (batch row, KV head) of `decode_start`."""
+def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, split: bool):
+    """One (batch row, KV head) of `decode_start`; split: the rotation comes as its bf16 parts."""
     rot_ref, qb_ref, qcol_ref, qd_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
     d, packed = q_ref.shape[-1], N // cols
@@ -65,10 +82,12 @@ def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpr
     heads = (h * g + jnp.minimum(c % cols, g - 1))[:, None]
     cw = min(d, _ROT_ELEMENTS // d)  # rotated channels per chunk ([D, cw] of the rotation per product)
     chunks = [j * cw + jnp.arange(cw) for j in range(d // cw)]
-    if rotate:  # every load before the first product
-        x = plgpu.load(q_ref.at[b, heads, jnp.arange(d)[None, :]], mask=use[:, None], other=0.0)
-        rots = [rot_ref[h, :, pl.ds(j * cw, cw)] for j in range(d // cw)]
-        xs = [jnp.dot(x.astype(jnp.float32), r, precision=rotation_precision(interpret)) for r in rots]
+    if rotate:  # each chunk's rotation loaded just before its product (all of D = 256's bf16
+        # parts at once need 272 KB of Triton's shared memory; at D <= 128 there is one chunk)
+        x = bf16_parts(plgpu.load(q_ref.at[b, heads, jnp.arange(d)[None, :]], mask=use[:, None], other=0.0))
+        rot = lambda j: (tuple(rot_ref[h, k, :, pl.ds(j * cw, cw)] for k in range(2)) if split else
+                         bf16_parts(rot_ref[h, :, pl.ds(j * cw, cw)]))
+        xs = [bf16_product(x, rot(j)) for j in range(d // cw)]
     else:
         xs = [plgpu.load(q_ref.at[b, heads, ch[None, :]], mask=use[:, None], other=0.0).astype(jnp.float32)
               for ch in chunks]
@@ -93,7 +112,8 @@ def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, interpr
 
 def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int, interpret: bool = False):
     """q [B, Hq, D] (model basis, or rotated when query_rot is None); query_rot f32
-    [Hkv, D, D] or None; packed: the history kernel's token slices per score tile.
+    [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`: nothing to split in the
+    kernel) or None; packed: the history kernel's token slices per score tile.
 
     Returns, per (batch row, KV head), in one Triton kernel, all in base 2 (log2 e and the
     softmax scale folded into the rotated queries); column c of the N = 8 query columns is
@@ -106,14 +126,17 @@ def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: i
     """
     b, hq, d = q.shape
     g, cols = hq // kv_heads, N // packed
-    rotate = query_rot is not None
-    inputs = (q, query_rot.astype(jnp.float32)) if rotate else (q,)
+    rotate, split = query_rot is not None, query_rot is not None and query_rot.ndim == 4
+    if rotate and query_rot.shape != ((kv_heads, 2, d, d) if split else (kv_heads, d, d)):
+        raise ValueError(f"query_rot.shape={query_rot.shape}: expected f32 [Hkv={kv_heads}, D={d}, D={d}] "
+                         f"or its bf16 parts [Hkv, 2, D, D] (layout.split_bf16)")
+    inputs = (q, query_rot.astype(jnp.bfloat16 if split else jnp.float32)) if rotate else (q,)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out_shape = [jax.ShapeDtypeStruct((b, kv_heads, packed, 2 * N, d), jnp.int8),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, TILE_ROWS, N), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, 2 * N, d), jnp.bfloat16)]
     return pl.pallas_call(
-        functools.partial(_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, interpret=interpret),
+        functools.partial(_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, split=split),
         grid=(b, kv_heads),
         in_specs=[full(x.shape) for x in inputs],
         out_specs=[full(o.shape) for o in out_shape],

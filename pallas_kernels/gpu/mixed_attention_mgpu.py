@@ -800,12 +800,13 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
     except that both rotations may be left to this kernel.
 
-    q: [B, 1, Hq, D], rotated, or in the model basis when query_rot f32 [Hkv, D, D] is given
-    (`decode_start` rotates it: one kernel for the rotation and every query layout the MMAs
-    need, where XLA took about ten small ops); hist_codes_k uint8 [B, Hkv, T_hist/4, D];
+    q: [B, 1, Hq, D], rotated, or in the model basis when query_rot is given: f32 [Hkv, D, D],
+    or its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`, which `LayerParams` holds: then no
+    kernel splits it per call) (`decode_start` rotates q: one kernel for the rotation and
+    every query layout the MMAs need, where XLA took about ten small ops); hist_codes_k uint8 [B, Hkv, T_hist/4, D];
     hist_codes_v uint8 [B, Hkv, D, T_hist/4] (channel-major); lo/scale bf16 [B, Hkv, 1, 4,
     T_hist/4]; sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B]; output_rot f32
-    [Hkv, D, D] or None (the output is rotated back, o = o_rot · output_rot[h]^T, by
+    [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] or None (the output is rotated back, o = o_rot · output_rot[h]^T, by
     `decode_finish` at D <= 128 and by XLA at D = 256).
     Returns (o out_dtype [B, 1, Hq, D]: o_rot, or rotated back when output_rot is given; lse
     f32 [B, 1, Hq]).
@@ -832,8 +833,6 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     if rows >= _ROWS and rows % _ROWS:
         raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: T_hist/4 must be a multiple of {_ROWS} "
                          "(whole TMA tiles; CacheSpec allocates a longer history in 256-token tiles)")
-    if query_rot is not None and query_rot.shape != (hkv, d, d):
-        raise ValueError(f"query_rot.shape={query_rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
     packed = slices_per_tile(g, d)
     cols = _N // packed  # query columns per slice: g padded
     q_blocks, qcol, q_dense = start.decode_start(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale,
@@ -913,5 +912,6 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
                            output_rot=fused_rot, out_dtype=jnp.float32 if xla_rot else out_dtype,
                            interpret=interpret)
     if xla_rot:
-        o = jnp.einsum("bhge,hde->bhgd", o, output_rot, precision=lax.Precision.HIGHEST).astype(out_dtype)
+        rot = output_rot if output_rot.ndim == 3 else output_rot.astype(jnp.float32).sum(axis=1)  # hi + lo
+        o = jnp.einsum("bhge,hde->bhgd", o, rot, precision=lax.Precision.HIGHEST).astype(out_dtype)
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
