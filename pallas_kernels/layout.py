@@ -106,10 +106,15 @@ def ring_position(n, j, sink: int, window: int):
     return jnp.where((p >= sink) & (p >= n - window), p, -1)
 
 
-def split_bf16(x, axis: int = -3):
-    """f32 x -> bf16 with a new axis of 2 at `axis`: [hi, lo], hi = x rounded to bf16 and
-    lo = x - hi rounded, so that x ≈ hi + lo to ~16 bits (what the GPU kernels' bf16 MMAs
-    take for the rotations: `LayerParams` splits them once, not per call)."""
-    x = jnp.asarray(x, jnp.float32)
+def bf16_hi_lo(x):
+    """x -> (hi, lo) bf16: hi = x rounded to bf16, lo = x - hi rounded, so that x ≈ hi + lo
+    to ~16 bits (plain jnp, also inside kernels: the operands of the GPU kernels' bf16 MMAs)."""
+    x = x.astype(jnp.float32)
     hi = x.astype(jnp.bfloat16)
-    return jnp.stack([hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)], axis=axis)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def split_bf16(x, axis: int = -3):
+    """f32 x -> bf16 with a new axis of 2 at `axis`: [hi, lo] (`bf16_hi_lo`), what the GPU
+    decode kernels take for the rotations (`LayerParams` splits them once, not per call)."""
+    return jnp.stack(bf16_hi_lo(jnp.asarray(x, jnp.float32)), axis=axis)

@@ -562,7 +562,7 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
 
 
 # (D, g, rotation: None, "f32" or its bf16 "parts"); D = 256: on the GPU only
-QUERY_LAYOUT_CASES = [(128, 4, "parts"), (64, 1, None), (256, 3, "f32")]
+QUERY_LAYOUT_CASES = [(128, 4, "parts"), (64, 1, "f32"), (256, 3, None)]
 
 
 @pytest.mark.parametrize("d,g,rotate", QUERY_LAYOUT_CASES[:2])
@@ -629,6 +629,13 @@ def test_mgpu_refuses_what_it_does_not_handle():
     token_major = dataclasses.replace(cache, hist_codes_v=jnp.swapaxes(cache.hist_codes_v, -1, -2))
     with pytest.raises(ValueError, match="channel-major"):
         attention.kernel_attend(mixed_attention_mgpu.mixed_attention)(q, token_major, params)
+    for name, call in (("query_rot", lambda r: decode_start.decode_start(q[:, 0], r, kv_heads=spec.kv_heads,
+                                                                         softmax_scale=1.0, packed=2, interpret=True)),
+                       ("output_rot", lambda r: decode_finish.decode_finish(
+                           jnp.zeros((4, spec.kv_heads, 2, 128, 8)), jnp.zeros((4, spec.kv_heads, 2, 8)),
+                           jnp.ones((4, spec.kv_heads), jnp.int32), cols=4, g=4, output_rot=r, interpret=True))):
+        with pytest.raises(ValueError, match=f"{name}.shape"):  # parts of one head too few
+            call(params.query_rot_parts[:1])
 
 
 def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):

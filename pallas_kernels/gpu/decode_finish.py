@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .decode_start import bf16_parts, bf16_product
+from .decode_start import bf16_parts, bf16_product, rotation_input
 
 _LN2 = math.log(2.0)
 _D_BLOCK = 64  # output channels per program
@@ -113,15 +113,13 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, o
     if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= cols <= 8:
         raise ValueError(f"o_t.shape={o_t.shape}, lse2.shape={lse2.shape}, g={g}, cols={cols}: expected "
                          "[B, Hkv, S, D, 8], [B, Hkv, S, 8] and 1 <= g <= cols <= 8")
-    rotate, split = output_rot is not None, output_rot is not None and output_rot.ndim == 4
-    if rotate and output_rot.shape != ((hkv, 2, d, d) if split else (hkv, d, d)):
-        raise ValueError(f"output_rot.shape={output_rot.shape}: expected f32 [Hkv={hkv}, D={d}, D={d}] "
-                         "or its bf16 parts [Hkv, 2, D, D] (layout.split_bf16)")
+    rot, split = rotation_input(output_rot, hkv, d, "output_rot")
+    rotate = rot is not None
     if counts.dtype != jnp.int32 or not 0 <= counts_at <= counts.size - b * hkv:
         raise ValueError(f"counts: {counts.dtype} {counts.shape}, counts_at={counts_at}: expected int32 "
                          f"holding B x Hkv = {b * hkv} counts from flat element counts_at on")
     counts = counts.reshape(-1)
-    arrays = (o_t, lse2, counts, *((output_rot.astype(jnp.bfloat16 if split else jnp.float32),) if rotate else ()))
+    arrays = (o_t, lse2, counts, *((rot,) if rotate else ()))
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), out_dtype), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     return pl.pallas_call(

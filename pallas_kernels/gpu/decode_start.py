@@ -38,11 +38,19 @@ _WARPS = 8
 def bf16_parts(x: jax.Array) -> tuple[jax.Array, ...]:
     """x (a kernel's tile) -> its bf16 parts: (x,) when x is bf16, else (hi, lo) with
     x ≈ hi + lo (~16 bits)."""
-    if x.dtype == jnp.bfloat16:
-        return (x,)
-    x = x.astype(jnp.float32)
-    hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return (x,) if x.dtype == jnp.bfloat16 else layout.bf16_hi_lo(x)
+
+
+def rotation_input(rot, kv_heads: int, d: int, name: str) -> tuple[jax.Array | None, bool]:
+    """rot: f32 [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`) or None ->
+    (what the kernel loads: f32, the bf16 parts, or None; whether it is the parts)."""
+    if rot is None:
+        return None, False
+    split = rot.ndim == 4
+    if rot.shape != ((kv_heads, 2, d, d) if split else (kv_heads, d, d)):
+        raise ValueError(f"{name}.shape={rot.shape}: expected f32 [Hkv={kv_heads}, D={d}, D={d}] "
+                         "or its bf16 parts [Hkv, 2, D, D] (layout.split_bf16)")
+    return rot.astype(jnp.bfloat16 if split else jnp.float32), split
 
 
 def bf16_product(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
@@ -100,10 +108,8 @@ def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, split: 
             for j in range(packed):  # column block j: zeros outside it
                 plgpu.store(qb_ref.at[b, h, j, k * N + tile_rows, ch[None, :]],
                             jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
-        x_hi = x.astype(jnp.bfloat16)
-        plgpu.store(qd_ref.at[b, h, 0, jnp.arange(2 * N)[:, None], ch[None, :]], x_hi)
-        plgpu.store(qd_ref.at[b, h, 1, jnp.arange(2 * N)[:, None], ch[None, :]],
-                    (x - x_hi.astype(jnp.float32)).astype(jnp.bfloat16))
+        for k, part in enumerate(layout.bf16_hi_lo(x)):
+            plgpu.store(qd_ref.at[b, h, k, jnp.arange(2 * N)[:, None], ch[None, :]], part)
     q_sum = sum(jnp.sum(x, axis=1) for x in xs)
     rows = jnp.arange(TILE_ROWS)[:, None]
     for k, vec in enumerate((q_step, q_sum)):  # the same in every row of the [64, 8] tile
@@ -126,11 +132,9 @@ def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: i
     """
     b, hq, d = q.shape
     g, cols = hq // kv_heads, N // packed
-    rotate, split = query_rot is not None, query_rot is not None and query_rot.ndim == 4
-    if rotate and query_rot.shape != ((kv_heads, 2, d, d) if split else (kv_heads, d, d)):
-        raise ValueError(f"query_rot.shape={query_rot.shape}: expected f32 [Hkv={kv_heads}, D={d}, D={d}] "
-                         f"or its bf16 parts [Hkv, 2, D, D] (layout.split_bf16)")
-    inputs = (q, query_rot.astype(jnp.bfloat16 if split else jnp.float32)) if rotate else (q,)
+    rot, split = rotation_input(query_rot, kv_heads, d, "query_rot")
+    rotate = rot is not None
+    inputs = (q, rot) if rotate else (q,)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out_shape = [jax.ShapeDtypeStruct((b, kv_heads, packed, 2 * N, d), jnp.int8),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, TILE_ROWS, N), jnp.float32),
