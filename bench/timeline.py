@@ -10,12 +10,19 @@ second piece of two-piece programs (a line fit over their lengths; the second pi
 holds the next pair's sink and ring) and the time each SM idles before the kernel's end.
 
 Run on a GPU:  python bench/timeline.py --seq 131072 --out bench/results/timeline_h200.json
+
+--model FILE (no GPU): from a saved timeline, fit each program's time as fixed + per tile +
+a sink and ring + a second piece + its warpgroup's offset, keep each program's residual (its
+SM's pace), and give the kernel end that other work lines (units per program, switch and
+sink-and-ring costs) would have on that model.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import sys
 import types
@@ -113,12 +120,74 @@ def summary(stamps: np.ndarray, line) -> dict:
             "mean_sm_idle_before_end_us": round(float(end.max() - last_end.mean()), 1)}
 
 
+def features(line, warpgroups: int = 3) -> np.ndarray:
+    """float64 [programs, 6]: 1, history tiles, sinks and rings, whether a second piece, and
+    whether the program is warpgroup 0 or warpgroup 2 of its block (program k: k % warpgroups)."""
+    u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
+    pieces = [line.piece(u0, u1, i) for i in range(2)]  # a one-piece program's second: no tiles, no sink
+    tiles = sum(np.asarray(t_end - t_begin) for _, _, t_begin, t_end in pieces)
+    dense = sum(np.asarray(own, np.float64) for _, own, _, _ in pieces)
+    wg = np.arange(len(u0)) % warpgroups
+    return np.stack([np.ones(len(u0)), tiles, dense, np.asarray(line.pieces(u0, u1)) > 1, wg == 0, wg == 2],
+                    axis=1).astype(np.float64)
+
+
+def fit(stamps: np.ndarray, line) -> dict:
+    """stamps int32 [slots, 16] of one call -> the least-squares model of its programs'
+    durations (us: fixed, per tile, per sink and ring, per second piece, warpgroup 0's and
+    2's offset from 1's), their residuals and their starts."""
+    st = stamps[:line.programs].astype(np.int64)
+    t0 = st[:, 0].min()
+    start, end = (st[:, 0] - t0) / 1e3, (st[:, 6] - t0) / 1e3
+    x = features(line)
+    coef = np.linalg.lstsq(x, end - start, rcond=None)[0]
+    return {"coef": coef, "residual": end - start - x @ coef, "start": start, "end_us": float(end.max())}
+
+
+def modelled_end(model: dict, line) -> float:
+    """The kernel end (us) of another work line on a fitted model: program k keeps the start
+    and residual of the measured call's program k (the same block and SM)."""
+    x = features(line)
+    n = min(len(x), len(model["start"]))
+    return float((model["start"][:n] + x[:n] @ model["coef"] + model["residual"][:n]).max())
+
+
+def model_lines(path: str) -> dict:
+    """A saved timeline (B8 H32/8 D128, sink 64, ring 256) -> per call its fit, and the
+    modelled kernel end of the lines of 83-86 units a program, switch costs 4-9 and sinks and
+    rings of 3-6 units."""
+    saved = json.load(open(path))
+    tiles = -(-(saved["seq"] - 64 - 256) // 256)
+    dense = math.ceil(mm._DENSE_TILE_COST * mm._dense_blocks(64, 256)[1])
+    line = mm.WorkLine(64, tiles, dense, tuple(saved["bounds"]))
+    models = [fit(np.asarray(s, np.int32), line) for s in saved["stamps"]]
+    names = ("fixed_us", "us_per_tile", "sink_and_ring_us", "second_piece_us", "wg0_us", "wg2_us")
+    out = {"fits": [dict(zip(names, np.round(m["coef"], 3).tolist()), residual_std_us=round(float(m["residual"].std()), 2),
+                         end_us=round(m["end_us"], 1)) for m in models], "lines": [],
+           "measured_line": {"programs": line.programs, "end_us": round(float(np.mean([m["end_us"] for m in models])), 2)}}
+    for per_program, switch, dense_units in itertools.product(range(83, 87), range(4, 10), range(3, 7)):
+        cut = mm.WorkLine.cut(64, tiles, dense_units, per_program, switch)
+        if cut.programs <= len(saved["stamps"][0]):
+            ends = [modelled_end(m, cut) for m in models]
+            out["lines"].append({"per_program": per_program, "switch": switch, "dense": dense_units,
+                                 "programs": cut.programs, "end_us": round(float(np.mean(ends)), 2)})
+    out["lines"].sort(key=lambda r: r["end_us"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=131072)
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default=None, help="a saved timeline: model other work lines on it (no GPU)")
     args = ap.parse_args()
+    if args.model:
+        res = model_lines(args.model)
+        print(json.dumps({"fits": res["fits"], "measured line": res["measured_line"], "best lines": res["lines"][:5]}))
+        if args.out:
+            json.dump(res, open(args.out, "w"), indent=1)
+        return
     timed = instrumented()
     shape = bk.Shape("B8 H32/8 D128", 8, 32, 8, 128, args.seq)
     cache, params, _, _ = bk.build_oscar(shape, jax.random.key(7))

@@ -836,16 +836,22 @@ def test_write_prompt_on_gpu(config):
     test_write_prompt_pallas_matches_xla(config, "dense", 0, exact=False)
 
 
-def test_timeline_patch_applies_and_summarises():
+@pytest.fixture(scope="module")
+def timeline():
+    """bench/timeline.py as a module."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "bench" / "timeline.py"
+    module = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location("timeline", path))
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timeline_patch_applies_and_summarises(timeline):
     """bench/timeline.py: its stamps patch still applies (each replaced text once) to
     mixed_attention_mgpu.py, and its summary of synthetic stamps (program k ends at k + 1 us,
     two programs per SM) gives the end times and each SM's idle time before the end, and the
     per-tile fit of the pieces of two-piece programs."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).parents[1] / "bench" / "timeline.py"
-    timeline = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location("timeline", path))
-    spec.loader.exec_module(timeline)
     assert callable(timeline.instrumented().mixed_attention)
     line = mixed_attention_mgpu.WorkLine.cut(4, 3, 1, 2)
     n = line.programs
@@ -870,3 +876,24 @@ def test_timeline_patch_applies_and_summarises():
     assert pieces["first"]["programs"] == pieces["second"]["programs"] == int((line.pieces(u0, u1) > 1).sum()) > 2
     assert (pieces["first"]["us_per_tile"], pieces["first"]["fixed_us"]) == (2.0, 3.0)
     assert (pieces["second"]["us_per_tile"], pieces["second"]["fixed_us"]) == (2.5, 5.0)
+
+
+def test_timeline_line_model_recovers_its_costs(timeline):
+    """bench/timeline.py --model: programs timed as 4 us + 2 us a tile + 9 us a sink and ring
+    + 7 us a second piece + 1 us on warpgroup 0 - 0.5 us on warpgroup 2 + a small random pace
+    each: the fit gives the costs back, the measured line's modelled end is its measured end,
+    and a line of longer programs on the same paces ends later."""
+    line = mixed_attention_mgpu.WorkLine.cut(32, 41, 3, 29, 4)  # cuts not periodic in the warpgroups
+    u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
+    assert 5 < (line.pieces(u0, u1) > 1).sum() < line.programs  # both kinds of program
+    rng = np.random.default_rng(4)
+    coef = np.array([4.0, 2.0, 9.0, 7.0, 1.0, -0.5])
+    start = rng.uniform(0.0, 0.3, line.programs)
+    stamps = np.zeros((line.programs + 1, 16), np.int32)  # a spare slot, ignored
+    stamps[:-1, 0] = np.round(1000 * start)
+    stamps[:-1, 6] = np.round(1000 * (start + timeline.features(line) @ coef + rng.normal(0.0, 0.1, line.programs)))
+    model = timeline.fit(stamps, line)
+    np.testing.assert_allclose(model["coef"], coef, atol=0.2)
+    assert timeline.modelled_end(model, line) == pytest.approx(model["end_us"], abs=1e-6)
+    longer = mixed_attention_mgpu.WorkLine.cut(32, 41, 3, 40, 4)
+    assert timeline.modelled_end(model, longer) > model["end_us"] + 5
