@@ -148,26 +148,39 @@ def modelled_end(model: dict, line) -> float:
     """The kernel end (us) of another work line on a fitted model: program k keeps the start
     and residual of the measured call's program k (the same block and SM)."""
     x = features(line)
-    n = min(len(x), len(model["start"]))
-    return float((model["start"][:n] + x[:n] @ model["coef"] + model["residual"][:n]).max())
+    if len(x) > len(model["start"]):
+        raise ValueError(f"line of {len(x)} programs: the model knows the pace of {len(model['start'])} only")
+    return float((model["start"][:len(x)] + x @ model["coef"] + model["residual"][:len(x)]).max())
+
+
+def saved_line(saved: dict):
+    """The WorkLine of a saved timeline: its "line" entry, or (files before it had one) the
+    B8 H8 line of its --seq at the bench's sink 64 and ring 256, checked against its bounds."""
+    if "line" in saved:
+        return mm.WorkLine(**saved["line"], bounds=tuple(saved["bounds"]))
+    tiles = -(-(saved["seq"] - 64 - 256) // (mm._ROWS * mm._TPB))
+    dense = math.ceil(mm._DENSE_TILE_COST * mm._dense_blocks(64, 256)[1])
+    bounds = tuple(saved["bounds"])
+    line = mm.WorkLine.cut(64, tiles, dense, bounds[1] - bounds[0], mm._SWITCH_COST)
+    if line.bounds != bounds:
+        raise ValueError("the saved bounds are not the B8 H8 line of its --seq: give the file a 'line' entry")
+    return line
 
 
 def model_lines(path: str) -> dict:
-    """A saved timeline (B8 H32/8 D128, sink 64, ring 256) -> per call its fit, and the
-    modelled kernel end of the lines of 83-86 units a program, switch costs 4-9 and sinks and
-    rings of 3-6 units."""
+    """A saved timeline -> per call its fit, and the modelled kernel end of the lines (of its
+    pairs and tiles) of 83-86 units a program, switch costs 4-9 and sinks and rings of 3-6
+    units that need no more programs than the measured one."""
     saved = json.load(open(path))
-    tiles = -(-(saved["seq"] - 64 - 256) // 256)
-    dense = math.ceil(mm._DENSE_TILE_COST * mm._dense_blocks(64, 256)[1])
-    line = mm.WorkLine(64, tiles, dense, tuple(saved["bounds"]))
+    line = saved_line(saved)
     models = [fit(np.asarray(s, np.int32), line) for s in saved["stamps"]]
     names = ("fixed_us", "us_per_tile", "sink_and_ring_us", "second_piece_us", "wg0_us", "wg2_us")
     out = {"fits": [dict(zip(names, np.round(m["coef"], 3).tolist()), residual_std_us=round(float(m["residual"].std()), 2),
                          end_us=round(m["end_us"], 1)) for m in models], "lines": [],
            "measured_line": {"programs": line.programs, "end_us": round(float(np.mean([m["end_us"] for m in models])), 2)}}
     for per_program, switch, dense_units in itertools.product(range(83, 87), range(4, 10), range(3, 7)):
-        cut = mm.WorkLine.cut(64, tiles, dense_units, per_program, switch)
-        if cut.programs <= len(saved["stamps"][0]):
+        cut = mm.WorkLine.cut(line.pairs, line.tiles, dense_units, per_program, switch)
+        if cut.programs <= line.programs:
             ends = [modelled_end(m, cut) for m in models]
             out["lines"].append({"per_program": per_program, "switch": switch, "dense": dense_units,
                                  "programs": cut.programs, "end_us": round(float(np.mean(ends)), 2)})
@@ -203,6 +216,7 @@ def main() -> None:
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "seq": args.seq,
            "command": "python bench/timeline.py " + " ".join(sys.argv[1:]),
            "summaries": [summary(r, line) for r in runs], "bounds": list(map(int, line.bounds)),
+           "line": {"pairs": line.pairs, "tiles": line.tiles, "dense": line.dense},
            "stamps": [r.tolist() for r in runs]}
     print(json.dumps(res["summaries"][-1], indent=1))
     if args.out:

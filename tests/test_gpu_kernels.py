@@ -884,16 +884,25 @@ def test_timeline_line_model_recovers_its_costs(timeline):
     each: the fit gives the costs back, the measured line's modelled end is its measured end,
     and a line of longer programs on the same paces ends later."""
     line = mixed_attention_mgpu.WorkLine.cut(32, 41, 3, 29, 4)  # cuts not periodic in the warpgroups
-    u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
-    assert 5 < (line.pieces(u0, u1) > 1).sum() < line.programs  # both kinds of program
+    # The features counted from the bounds alone: a pair's sink and ring are its first 3 units.
+    x = []
+    for k, (u0, u1) in enumerate(zip(line.bounds[:-1], line.bounds[1:])):
+        sinks = sum(u0 <= base < u1 for base in range(0, line.pairs * line.unit, line.unit))
+        two = (u0 // line.unit + 1) * line.unit < u1
+        x.append([1, u1 - u0 - 3 * sinks, sinks, two, k % 3 == 0, k % 3 == 2])
+    x = np.array(x, np.float64)
+    np.testing.assert_array_equal(timeline.features(line), x)
+    assert 5 < x[:, 3].sum() < line.programs  # both kinds of program
     rng = np.random.default_rng(4)
     coef = np.array([4.0, 2.0, 9.0, 7.0, 1.0, -0.5])
     start = rng.uniform(0.0, 0.3, line.programs)
     stamps = np.zeros((line.programs + 1, 16), np.int32)  # a spare slot, ignored
     stamps[:-1, 0] = np.round(1000 * start)
-    stamps[:-1, 6] = np.round(1000 * (start + timeline.features(line) @ coef + rng.normal(0.0, 0.1, line.programs)))
+    stamps[:-1, 6] = np.round(1000 * (start + x @ coef + rng.normal(0.0, 0.1, line.programs)))
     model = timeline.fit(stamps, line)
     np.testing.assert_allclose(model["coef"], coef, atol=0.2)
     assert timeline.modelled_end(model, line) == pytest.approx(model["end_us"], abs=1e-6)
     longer = mixed_attention_mgpu.WorkLine.cut(32, 41, 3, 40, 4)
     assert timeline.modelled_end(model, longer) > model["end_us"] + 5
+    with pytest.raises(ValueError, match="knows the pace"):  # more programs than were timed
+        timeline.modelled_end(model, mixed_attention_mgpu.WorkLine.cut(32, 41, 3, 20, 4))
