@@ -20,7 +20,9 @@ of copies. The wall-clock time of each JAX op (host dispatch included) is record
 it (`*_wall_ms`). GB/s counts the bytes each op must read.
 
 Run on a GPU:  python bench/kernels.py --tune --shapes 2,0,1,3,4,5,6 --out bench/results/kernels_h200.json
-(--tune first sweeps BlockSizes on the first shape and uses the fastest for all.)
+(--tune first sweeps BlockSizes on the first shape and uses the fastest for all.) The JSON is
+saved after every op timed, so a run cut off by a time limit keeps what it measured; then
+`python bench/kernels.py --markdown --out FILE.json` (no GPU) writes its table.
 """
 
 from __future__ import annotations
@@ -201,7 +203,10 @@ def read_ceiling(reps: int) -> dict:
     return {"xla_sum_read_GBps": nbytes / t_sum / 1e9, "copy_read_write_GBps": 2 * nbytes / t_copy / 1e9}
 
 
-def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) -> dict:
+def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, row: dict | None = None,
+                saved=lambda: None) -> dict:
+    """Time one shape's row (returned; filled into `row` when given), calling saved() after every
+    op timed, so that a run cut off by a time limit keeps the columns it measured."""
     key = jax.random.key(hash(shape.name) % 2**31)
     cache, params, k, v = build_oscar(shape, key)
     q = jax.random.normal(jax.random.key(2), (shape.batch, 1, shape.q_heads, shape.head_dim), jnp.bfloat16)
@@ -212,13 +217,17 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
     oscar_copies = [(q, cache) for cache in [cache] + [jax.tree.map(jnp.copy, cache)
                                                        for _ in range(n_copies(oscar_nbytes) - 1)]]
     used = blocks or mixed_attention.BlockSizes.default(shape.head_dim, 4 * (shape.q_heads // shape.kv_heads))
-    row = {"shape": dataclasses.asdict(shape), "bits_per_element": bits_per_element(cache.spec, shape.seq),
-           "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes, "block_sizes": dataclasses.asdict(used)}
+    row = {} if row is None else row
+    # What attend(..., implementation="auto") runs for this decode call on this GPU.
+    row.update({"shape": dataclasses.asdict(shape), "bits_per_element": bits_per_element(cache.spec, shape.seq),
+                "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes, "block_sizes": dataclasses.asdict(used),
+                "auto": attention.resolve("auto", cache.spec, 1, shape.q_heads // shape.kv_heads, backend="gpu")})
     run = unrolled(lambda qq, c: fn(qq, c, params))
     t = time_group(run, oscar_copies, reps)
     row["oscar_wall_ms"] = wall_time(run, oscar_copies, reps) * 1e3
     row["oscar_ms"] = t * 1e3
     row["oscar_GBps"] = oscar_nbytes / t / 1e9
+    saved()
     if mixed_attention_mgpu.supports(cache.spec, 1, shape.q_heads // shape.kv_heads):
         try:  # as registered: the kernel rotates the queries itself
             run = unrolled(lambda qq, c: attention.attend(qq, c, params, implementation="pallas_mosaic_gpu"))
@@ -228,17 +237,17 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
             row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    # What attend(..., implementation="auto") runs for this decode call on this GPU.
-    row["auto"] = attention.resolve("auto", cache.spec, 1, shape.q_heads // shape.kv_heads, backend="gpu")
     auto_key = "oscar_mgpu_ms" if row["auto"] == "pallas_mosaic_gpu" else "oscar_ms"
     if auto_key in row:
         row["auto_ms"] = row[auto_key]
         row["auto_GBps"] = oscar_nbytes / row[auto_key] * 1e-6
+    saved()
     if not baselines:
         return row
     row["xla_dequant_ms"] = time_group(
         unrolled(lambda qq, c: attention.attend(qq, c, params, implementation="xla")),
         oscar_copies[:2], max(5, reps // 10)) * 1e3
+    saved()
     del oscar_copies, cache
     bf16_copies = [(q, k, v)] + [(q, jnp.copy(k), jnp.copy(v)) for _ in range(n_copies(bf16_nbytes) - 1)]
     for impl in ("cudnn", "xla"):
@@ -250,6 +259,7 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True) ->
             row[f"jax_{impl}_GBps"] = bf16_nbytes / t / 1e9
         except Exception as e:  # noqa: BLE001 - record why a baseline cannot run here
             row[f"jax_{impl}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        saved()
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -368,10 +378,12 @@ def markdown(result: dict) -> str:
              "OSCAR wall ms | cuDNN wall ms |",
              "|" + "---|" * 15]
     f = lambda r, k: f"{r[k]:.3f}" if k in r else "n/a"
-    for r in result["attention"]:
+    # ratios from the times, so that a row cut off after some baselines still shows them
+    x = lambda r, base: f"{r[base] / r['auto_ms']:.3f}" if base in r and "auto_ms" in r else "n/a"
+    for r in (r for r in result["attention"] if r):  # {}: a row cut off while its cache was built
         lines.append(f"| {r['shape']['name']} | {r['bits_per_element']:.2f} | {r['auto']} | "
                      f"{f(r, 'auto_ms')} | {r.get('auto_GBps', float('nan')):.0f} | "
-                     f"{f(r, 'auto_speedup_vs_jax_cudnn')} | {f(r, 'auto_speedup_vs_torch_flash')} | "
+                     f"{x(r, 'jax_cudnn_ms')} | {x(r, 'torch_flash_ms')} | "
                      f"{f(r, 'jax_cudnn_ms')} | {f(r, 'torch_flash_ms')} | {f(r, 'jax_xla_ms')} | "
                      f"{f(r, 'xla_dequant_ms')} | {f(r, 'oscar_ms')} | "
                      f"{f(r, 'oscar_mgpu_ms') if 'oscar_mgpu_error' not in r else 'failed'} | "
@@ -406,7 +418,13 @@ def main(argv=None):
     p.add_argument("--no-write", action="store_true", help="time the attention rows only")
     p.add_argument("--tune", action="store_true",
                    help="sweep BlockSizes on the first shape, then compare with the fastest")
+    p.add_argument("--markdown", action="store_true",
+                   help="only write the .md table of the JSON saved at --out (a cut-off run's too); no GPU")
     args = p.parse_args(argv)
+    if args.markdown:
+        with open(args.out) as f:
+            write_markdown(json.load(f), args.out)
+        return
     if jax.default_backend() != "gpu":
         sys.exit("bench/kernels.py needs a GPU")
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
@@ -426,13 +444,15 @@ def main(argv=None):
         pass
     result["tuning"] = tuning
     result["block_sizes"] = dataclasses.asdict(blocks) if blocks else "per shape: BlockSizes.default"
-    result["ceiling"] = read_ceiling(args.reps)
     result["attention"] = []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
-    def save():  # after every part, so a cut-off run keeps what it measured
+    def save():  # after every op timed, so a cut-off run keeps what it measured
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+    result["ceiling"] = read_ceiling(args.reps)
+    save()
 
     for name, fn in () if args.no_write else (("write", bench_write), ("write_prompt", bench_write_prompt)):
         try:
@@ -442,11 +462,17 @@ def main(argv=None):
         print(json.dumps(result[name]), flush=True)
         save()
     for shape in shapes:
-        result["attention"].append(bench_shape(shape, args.reps, blocks))
+        result["attention"].append({})
+        bench_shape(shape, args.reps, blocks, row=result["attention"][-1], saved=save)
         print(json.dumps(result["attention"][-1]), flush=True)
         save()
+    write_markdown(result, args.out)
+
+
+def write_markdown(result: dict, out: str) -> None:
+    """The table of `result` beside its JSON path `out` (.md), printed too."""
     table = markdown(result)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
         f.write(table + "\n")
     print(table)
 

@@ -836,15 +836,42 @@ def test_write_prompt_on_gpu(config):
     test_write_prompt_pallas_matches_xla(config, "dense", 0, exact=False)
 
 
-@pytest.fixture(scope="module")
-def timeline():
-    """bench/timeline.py as a module."""
+def _bench_module(name: str):
+    """bench/<name>.py as a module (registered in sys.modules, as its dataclasses need)."""
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).parents[1] / "bench" / "timeline.py"
-    module = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location("timeline", path))
+    import sys
+    path = pathlib.Path(__file__).parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    return _bench_module("timeline")
+
+
+def test_kernels_table_of_a_cut_off_run(tmp_path):
+    """bench/kernels.py --markdown: the table of a run its time limit cut off (the JSON is saved
+    after every op timed): a row stopped after cuDNN shows that ratio, from the times, and n/a
+    for torch; a row stopped in its first op shows n/a throughout; an empty row, none."""
+    import json
+    kernels = _bench_module("kernels")
+    cut = {"shape": {"name": "B8 128K"}, "bits_per_element": 2.28, "auto": "pallas_mosaic_gpu",
+           "oscar_ms": 0.784, "oscar_mgpu_ms": 0.1951, "auto_ms": 0.1951, "auto_GBps": 3143.0, "jax_cudnn_ms": 0.9686}
+    result = {"device": "NVIDIA H200", "jax": "0.11.2", "command": "python bench/kernels.py", "reps": 50,
+              "ceiling": {"xla_sum_read_GBps": 4676.0, "copy_read_write_GBps": 3370.0},
+              "attention": [cut, {"shape": {"name": "B8 32K"}, "bits_per_element": 2.38, "auto": "pallas_mosaic_gpu"},
+                            {}]}  # the last cut off while its cache was built: no line
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(result))
+    kernels.main(["--markdown", "--out", str(path)])
+    rows = [line.split(" | ") for line in (tmp_path / "run.md").read_text().splitlines() if line.startswith("| B8")]
+    assert [r[0] for r in rows] == ["| B8 128K", "| B8 32K"]
+    assert rows[0][3:7] == ["0.195", "3143", f"{0.9686 / 0.1951:.3f}", "n/a"]  # OSCAR ms, GB/s, x cuDNN, x torch
+    assert set(rows[1][3:-1]) <= {"n/a", "nan"}
 
 
 def test_timeline_patch_applies_and_summarises(timeline):
