@@ -17,7 +17,8 @@ of >= 50 repetitions after warm-up; torch is timed with CUDA events, which likew
 the host out. Each timed group runs the op over enough distinct input copies (>= 3 x L2
 in total) that no copy is served from L2, and the group time is divided by the number
 of copies. The wall-clock time of each JAX op (host dispatch included) is recorded beside
-it (`*_wall_ms`). GB/s counts the bytes each op must read.
+it (`*_wall_ms`), and of each OSCAR call the time of each of its kernels (`*_kernels_us`:
+`decode_start`, the attention kernel, `decode_finish`). GB/s counts the bytes each op must read.
 
 Run on a GPU:  python bench/kernels.py --tune --shapes 2,0,1,3,4,5,6 --out bench/results/kernels_h200.json
 (--tune first sweeps BlockSizes on the first shape and uses the fastest for all.) The JSON is
@@ -222,18 +223,25 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
     row.update({"shape": dataclasses.asdict(shape), "bits_per_element": bits_per_element(cache.spec, shape.seq),
                 "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes, "block_sizes": dataclasses.asdict(used),
                 "auto": attention.resolve("auto", cache.spec, 1, shape.q_heads // shape.kv_heads, backend="gpu")})
+
+    def kernel_time(run, prefix):
+        """Time run (a call per copy): its span -> row[prefix + "_ms"], its kernels' own time per
+        call -> row[prefix + "_kernels_us"] (where a call's time goes); returns the span in s."""
+        timed = device_time(run, oscar_copies, reps)
+        row[f"{prefix}_ms"] = timed["span_ms"]
+        row[f"{prefix}_kernels_us"] = {name: ms * 1e3 for name, ms in timed["kernels"].items()}
+        return timed["span_ms"] / 1e3
+
     run = unrolled(lambda qq, c: fn(qq, c, params))
-    t = time_group(run, oscar_copies, reps)
+    t = kernel_time(run, "oscar")
     row["oscar_wall_ms"] = wall_time(run, oscar_copies, reps) * 1e3
-    row["oscar_ms"] = t * 1e3
     row["oscar_GBps"] = oscar_nbytes / t / 1e9
     saved()
     if mixed_attention_mgpu.supports(cache.spec, 1, shape.q_heads // shape.kv_heads):
         try:  # as registered: the kernel rotates the queries itself
             run = unrolled(lambda qq, c: attention.attend(qq, c, params, implementation="pallas_mosaic_gpu"))
-            t = time_group(run, oscar_copies, reps)
+            t = kernel_time(run, "oscar_mgpu")
             row["oscar_mgpu_wall_ms"] = wall_time(run, oscar_copies, reps) * 1e3
-            row["oscar_mgpu_ms"] = t * 1e3
             row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
