@@ -245,6 +245,7 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
             row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row.pop("oscar_mgpu_ms", None)  # no time of a call that failed
     auto_key = "oscar_mgpu_ms" if row["auto"] == "pallas_mosaic_gpu" else "oscar_ms"
     if auto_key in row:
         row["auto_ms"] = row[auto_key]
@@ -455,9 +456,11 @@ def main(argv=None):
     result["attention"] = []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
-    def save():  # after every op timed, so a cut-off run keeps what it measured
-        with open(args.out, "w") as f:
+    def save():  # after every op timed, so a cut-off run keeps what it measured (whole: a kill
+        # mid-write leaves the last save)
+        with open(args.out + ".tmp", "w") as f:
             json.dump(result, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
 
     result["ceiling"] = read_ceiling(args.reps)
     save()
