@@ -219,7 +219,7 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
                                                        for _ in range(n_copies(oscar_nbytes) - 1)]]
     used = blocks or mixed_attention.BlockSizes.default(shape.head_dim, 4 * (shape.q_heads // shape.kv_heads))
     row = {} if row is None else row
-    # What attend(..., implementation="auto") runs for this decode call on this GPU.
+    # auto: what attend(..., implementation="auto") runs for this decode call on this GPU.
     row.update({"shape": dataclasses.asdict(shape), "bits_per_element": bits_per_element(cache.spec, shape.seq),
                 "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes, "block_sizes": dataclasses.asdict(used),
                 "auto": attention.resolve("auto", cache.spec, 1, shape.q_heads // shape.kv_heads, backend="gpu")})
