@@ -245,7 +245,8 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
             row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            row.pop("oscar_mgpu_ms", None)  # no time of a call that failed
+            for key in ("oscar_mgpu_ms", "oscar_mgpu_kernels_us"):  # no time of a call that failed
+                row.pop(key, None)
     auto_key = "oscar_mgpu_ms" if row["auto"] == "pallas_mosaic_gpu" else "oscar_ms"
     if auto_key in row:
         row["auto_ms"] = row[auto_key]
