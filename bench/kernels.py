@@ -18,7 +18,9 @@ the host out. Each timed group runs the op over enough distinct input copies (>=
 in total) that no copy is served from L2, and the group time is divided by the number
 of copies. The wall-clock time of each JAX op (host dispatch included) is recorded beside
 it (`*_wall_ms`), and of each OSCAR call the time of each of its kernels (`*_kernels_us`:
-`decode_start`, the attention kernel, `decode_finish`). GB/s counts the bytes each op must read.
+`decode_start`, the attention kernel, `decode_finish`; at D <= 128 the Mosaic GPU call is also
+timed with the partials merged inside the kernel, `merge=True`: `oscar_mgpu_merge_*`, and its
+output's relative difference from the default call's). GB/s counts the bytes each op must read.
 
 Run on a GPU:  python bench/kernels.py --tune --shapes 2,0,1,3,4,5,6 --out bench/results/kernels_h200.json
 (--tune first sweeps BlockSizes on the first shape and uses the fastest for all.) The JSON is
@@ -247,6 +249,18 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             for key in ("oscar_mgpu_ms", "oscar_mgpu_kernels_us"):  # no time of a call that failed
                 row.pop(key, None)
+        if shape.head_dim <= 128:  # the same call with the partials merged in the kernel (merge=True:
+            # its A/B against decode_finish's merge, same run)
+            try:
+                merged = attention.kernel_attend(functools.partial(mixed_attention_mgpu.mixed_attention, merge=True),
+                                                 rotates=True)
+                run = unrolled(lambda qq, c: merged(qq, c, params))
+                kernel_time(run, "oscar_mgpu_merge")
+                ref = attention.attend(q, cache, params, implementation="pallas_mosaic_gpu")[0].astype(jnp.float32)
+                got = run([(q, cache)])[0][0].astype(jnp.float32)
+                row["oscar_mgpu_merge_rel_diff"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+            except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
+                row["oscar_mgpu_merge_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     auto_key = "oscar_mgpu_ms" if row["auto"] == "pallas_mosaic_gpu" else "oscar_ms"
     if auto_key in row:
         row["auto_ms"] = row[auto_key]
@@ -385,8 +399,8 @@ def markdown(result: dict) -> str:
              "the op's kernels; torch: CUDA events); wall = wall-clock per call, host dispatch included.", "",
              "| shape | bpe | kernel | OSCAR ms | OSCAR GB/s | x cuDNN | x torch flash | "
              "cuDNN ms | torch flash ms | XLA bf16 ms | XLA dequant ms | Triton ms | Mosaic GPU ms | "
-             "OSCAR wall ms | cuDNN wall ms |",
-             "|" + "---|" * 15]
+             "Mosaic GPU, in-kernel merge ms | OSCAR wall ms | cuDNN wall ms |",
+             "|" + "---|" * 16]
     f = lambda r, k: f"{r[k]:.3f}" if k in r else "n/a"
     # ratios from the times, so that a row cut off after some baselines still shows them
     x = lambda r, base: f"{r[base] / r['auto_ms']:.3f}" if base in r and "auto_ms" in r else "n/a"
@@ -397,6 +411,7 @@ def markdown(result: dict) -> str:
                      f"{f(r, 'jax_cudnn_ms')} | {f(r, 'torch_flash_ms')} | {f(r, 'jax_xla_ms')} | "
                      f"{f(r, 'xla_dequant_ms')} | {f(r, 'oscar_ms')} | "
                      f"{f(r, 'oscar_mgpu_ms') if 'oscar_mgpu_error' not in r else 'failed'} | "
+                     f"{f(r, 'oscar_mgpu_merge_ms') if 'oscar_mgpu_merge_error' not in r else 'failed'} | "
                      f"{f(r, 'oscar_mgpu_wall_ms' if r['auto'] == 'pallas_mosaic_gpu' else 'oscar_wall_ms')} | "
                      f"{f(r, 'jax_cudnn_wall_ms')} |")
     c = result["ceiling"]
