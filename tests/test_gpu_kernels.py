@@ -433,21 +433,23 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
                      rotates=False)
 
 
-# (D, g, the output rotation as the kernel gets it, target programs, warpgroups per block):
-# slices_per_tile 2 (g = 4: a query's two column blocks add across lanes), 1 (g = 8) and 4
-# (g = 2: four blocks); the rotation's bf16 parts, f32 (split in the kernel) and none
-# (v_folded); at 3 programs per block a pair's last program may share its block with the others.
-MERGE_CASES = [(128, 4, "parts", 12, 3), (128, 8, "f32", 10, 1), (64, 2, "folded", 14, 3)]
+# (D, g, the output rotation as the kernel gets it, history tokens, target programs, warpgroups
+# per block): slices_per_tile 2 (g = 4: a query's two column blocks add across lanes), 1 (g = 8)
+# and 4 (g = 2: four blocks); the rotation's bf16 parts, f32 (split in the kernel) and none
+# (v_folded); at 3 programs per block a pair's last program may share its block with the others;
+# 10 partials a pair (9 tiles, a program each) in the last.
+MERGE_CASES = [(128, 4, "parts", 1024, 12, 3), (128, 8, "f32", 1024, 10, 1), (64, 2, "folded", 1024, 14, 3),
+               (64, 3, "parts", 2304, 1024, 1)]
 
 
-@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-p{}-wg{}".format(*c))
+@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-hist{}-p{}-wg{}".format(*c))
 def test_mgpu_merge_in_kernel_matches_decode_finish(case):
     """The in-kernel merge (`_merge`, by the program that stores a pair's last partial) against
     `decode_finish` (tested against a direct merge) over the same partials: ragged lengths with
     empty histories and programs spanning two pairs; o to ~1e-5 (both rotate back on bf16 hi +
     lo MMAs, ~16 bits), the lse to 1e-5."""
-    d, g, rot, target, warpgroups = case
-    spec = _spec(d, d, "uniform", "bfloat16", hist=1024)
+    d, g, rot, hist, target, warpgroups = case
+    spec = _spec(d, d, "uniform", "bfloat16", hist=hist)
     rng = np.random.default_rng([d, g, target])
     q, cache, params = _random_case(rng, spec, g, 1, _lengths(rng, 2, 1, spec), k_shift=True)
     params = {"parts": params, "f32": dataclasses.replace(params, query_rot_parts=None, output_rot_parts=None),
@@ -668,10 +670,10 @@ def test_mgpu_refuses_what_it_does_not_handle():
                            jnp.ones((4, spec.kv_heads), jnp.int32), cols=4, g=4, output_rot=r, interpret=True))):
         with pytest.raises(ValueError, match=f"{name}.shape"):  # parts of one head too few
             call(params.query_rot_parts[:1])
-    spec = _spec(64, 64, "uniform", "bfloat16", hist=2304)  # 9 tiles a pair, one a program: 10 partials
+    spec = _spec(64, 64, "uniform", "bfloat16", hist=4352)  # 17 tiles a pair, one a program: 18 partials
     q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
     many = functools.partial(mixed_attention_mgpu.mixed_attention, merge=True, target_programs=1024)
-    with pytest.raises(ValueError, match="at most 8 partials"):
+    with pytest.raises(ValueError, match="at most 16 partials"):
         attention.kernel_attend(many, rotates=True)(q, cache, params)
 
 
@@ -759,7 +761,7 @@ def test_mgpu_one_warpgroup_on_gpu():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-p{}-wg{}".format(*c))
+@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-hist{}-p{}-wg{}".format(*c))
 def test_mgpu_merge_in_kernel_on_gpu(case):
     """Compiled: the arrival counters (inline PTX atom.add) pick the merging program."""
     test_mgpu_merge_in_kernel_matches_decode_finish(case)

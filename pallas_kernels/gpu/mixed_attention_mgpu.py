@@ -123,9 +123,10 @@ _DENSE_TILE_COST = 0.8
 # 8 0.2137, 10 0.2136, 12 0.2154, 16 0.2157; at 32K and B1 128K 8 timed as 0 (within 0.4%).
 _SWITCH_COST = 8
 # The in-kernel merge (`_merge`, by the program that stores a pair's last partial; `merge=True`)
-# holds at most this many partials a pair: it loads their S x 8 log-sum-exps and S tiles at
-# once (B8 128K has 7; B1 128K ~50, which `decode_finish` merges over many programs).
-_MERGE_PARTIALS = 8
+# holds at most this many partials a pair: one program loads their S x 8 log-sum-exps and S
+# tiles (B8 H32/8 D128 has up to 8 at 8K-128K, SmolLM2's B8 8K 12, B4 32K 13; B1 128K 48,
+# which `decode_finish` merges over many programs).
+_MERGE_PARTIALS = 16
 
 
 def _code_shift(s: int, scaled: bool) -> tuple[int, int]:
