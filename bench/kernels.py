@@ -207,9 +207,10 @@ def read_ceiling(reps: int) -> dict:
 
 
 def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, row: dict | None = None,
-                saved=lambda: None) -> dict:
+                saved=lambda: None, merge: bool = True) -> dict:
     """Time one shape's row (returned; filled into `row` when given), calling saved() after every
-    op timed, so that a run cut off by a time limit keeps the columns it measured."""
+    op timed, so that a run cut off by a time limit keeps the columns it measured. merge: also
+    time the Mosaic GPU call with its partials merged in the kernel (D <= 128)."""
     key = jax.random.key(hash(shape.name) % 2**31)
     cache, params, k, v = build_oscar(shape, key)
     q = jax.random.normal(jax.random.key(2), (shape.batch, 1, shape.q_heads, shape.head_dim), jnp.bfloat16)
@@ -249,7 +250,7 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             for key in ("oscar_mgpu_ms", "oscar_mgpu_kernels_us"):  # no time of a call that failed
                 row.pop(key, None)
-        if shape.head_dim <= 128:  # the same call with the partials merged in the kernel (merge=True:
+        if merge and shape.head_dim <= 128:  # the same call with the partials merged in the kernel (merge=True:
             # its A/B against decode_finish's merge, same run)
             try:
                 merged = attention.kernel_attend(functools.partial(mixed_attention_mgpu.mixed_attention, merge=True),
@@ -443,6 +444,8 @@ def main(argv=None):
     p.add_argument("--no-write", action="store_true", help="time the attention rows only")
     p.add_argument("--tune", action="store_true",
                    help="sweep BlockSizes on the first shape, then compare with the fastest")
+    p.add_argument("--no-merge", action="store_true",
+                   help="do not also time the Mosaic GPU call with the in-kernel merge (merge=True)")
     p.add_argument("--markdown", action="store_true",
                    help="only write the .md table of the JSON saved at --out (a cut-off run's too); no GPU")
     args = p.parse_args(argv)
@@ -490,7 +493,7 @@ def main(argv=None):
         save()
     for shape in shapes:
         result["attention"].append({})
-        bench_shape(shape, args.reps, blocks, row=result["attention"][-1], saved=save)
+        bench_shape(shape, args.reps, blocks, row=result["attention"][-1], saved=save, merge=not args.no_merge)
         print(json.dumps(result["attention"][-1]), flush=True)
         save()
     write_markdown(result, args.out)
