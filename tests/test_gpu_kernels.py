@@ -433,25 +433,28 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
                      rotates=False)
 
 
-# (D, g, the output rotation as the kernel gets it, history tokens, target programs, warpgroups
-# per block): slices_per_tile 2 (g = 4: a query's two column blocks add across lanes), 1 (g = 8)
+# (D, g, the output rotation as the kernel gets it, history tokens, target programs, query 0's
+# scale): slices_per_tile 2 (g = 4: a query's two column blocks add across lanes), 1 (g = 8)
 # and 4 (g = 2: four blocks); the rotation's bf16 parts, f32 (split in the kernel) and none
-# (v_folded); at 3 programs per block a pair's last program may share its block with the others;
-# 10 partials a pair (9 tiles, a program each) in the last.
-MERGE_CASES = [(128, 4, "parts", 1024, 12, 3), (128, 8, "f32", 1024, 10, 1), (64, 2, "folded", 1024, 14, 3),
-               (64, 3, "parts", 2304, 1024, 1)]
+# (v_folded); 10 partials a pair (9 tiles, a program each); query 0 of each head 30x the others,
+# whose lse then trail its own by ~500 (base 2: one reference lse for all queries would
+# underflow theirs).
+MERGE_CASES = [(128, 4, "parts", 1024, 12, 30.0), (128, 8, "f32", 1024, 10, 1.0), (64, 2, "folded", 1024, 14, 1.0),
+               (64, 3, "parts", 2304, 1024, 1.0)]
 
 
-@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-hist{}-p{}-wg{}".format(*c))
-def test_mgpu_merge_in_kernel_matches_decode_finish(case):
+@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-hist{}-p{}-q0x{}".format(*c))
+def test_mgpu_merge_in_kernel_matches_decode_finish(case, warpgroups=1):
     """The in-kernel merge (`_merge`, by the program that stores a pair's last partial) against
     `decode_finish` (tested against a direct merge) over the same partials: ragged lengths with
     empty histories and programs spanning two pairs; o to ~1e-5 (both rotate back on bf16 hi +
-    lo MMAs, ~16 bits), the lse to 1e-5."""
-    d, g, rot, hist, target, warpgroups = case
+    lo MMAs, ~16 bits), the lse to 1e-5. Interpreted at one program a block (the interpreter
+    has no atomics: the pair's last program merges, blocks running in order)."""
+    d, g, rot, hist, target, peak = case
     spec = _spec(d, d, "uniform", "bfloat16", hist=hist)
     rng = np.random.default_rng([d, g, target])
     q, cache, params = _random_case(rng, spec, g, 1, _lengths(rng, 2, 1, spec), k_shift=True)
+    q = q.at[:, :, 0::g].multiply(peak)
     params = {"parts": params, "f32": dataclasses.replace(params, query_rot_parts=None, output_rot_parts=None),
               "folded": dataclasses.replace(params, v_folded=True)}[rot]
     out = {}
@@ -675,6 +678,9 @@ def test_mgpu_refuses_what_it_does_not_handle():
     many = functools.partial(mixed_attention_mgpu.mixed_attention, merge=True, target_programs=1024)
     with pytest.raises(ValueError, match="at most 16 partials"):
         attention.kernel_attend(many, rotates=True)(q, cache, params)
+    blocks_of_3 = functools.partial(mixed_attention_mgpu.mixed_attention, merge=True, target_programs=8, warpgroups=3)
+    with pytest.raises(ValueError, match="interpret mode at warpgroups=3"):
+        attention.kernel_attend(blocks_of_3, rotates=True)(q, cache, params)
 
 
 def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
@@ -714,7 +720,7 @@ def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
     fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
                            levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False,
-                           warpgroups=warpgroups)
+                           warpgroups=warpgroups, merge=d <= 128)
     if rotate:
         rot = sds((hkv, 2, d, d), bf) if d == 128 else sds((hkv, d, d), jnp.float32)
         _lower_for_h200(lambda *a: fn(*a[:-2], query_rot=a[-2], output_rot=a[-1]), (*args, rot, rot))
@@ -761,10 +767,12 @@ def test_mgpu_one_warpgroup_on_gpu():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-hist{}-p{}-wg{}".format(*c))
+@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-hist{}-p{}-q0x{}".format(*c))
 def test_mgpu_merge_in_kernel_on_gpu(case):
-    """Compiled: the arrival counters (inline PTX atom.add) pick the merging program."""
-    test_mgpu_merge_in_kernel_matches_decode_finish(case)
+    """Compiled, at 3 programs a block: the arrival counters (inline PTX atom.add) pick the
+    merging program, and a block's three merge operands lie in the shared-memory union side by
+    side."""
+    test_mgpu_merge_in_kernel_matches_decode_finish(case, warpgroups=3)
 
 
 @pytest.mark.gpu

@@ -493,23 +493,23 @@ def _store_transposed(arrays, ref, g: int, *, interpret: bool) -> None:
 
 
 def _fetch_add(counter, flags) -> None:
-    """After a barrier (flags[0], shared memory, was just stored), one thread of the warpgroup
-    adds flags[0] to the GMEM counter (int32, 0-d) and leaves the old value in flags[1], for
-    all its threads after a second barrier. The thread is the one that issued and awaited this
-    warpgroup's TMA stores (Pallas's single-thread predicate of the warpgroup); the proxy fence
-    orders those (async proxy) writes before the atomic's release, which the merging program
-    acquires before it reads them."""
+    """Every thread fences the async proxy (this warpgroup's TMA stores, awaited, before any
+    later generic access), then after a barrier (flags[0], shared memory, was just stored) one
+    thread of the warpgroup adds flags[0] to the GMEM counter (int32, 0-d) with acq_rel
+    semantics and leaves the old value in flags[1], for all its threads after a second barrier:
+    the merging program acquires the stores that the others' additions release."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
     def fetch_add(ctx, counter_ref, flag_ref):
         del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
         with mgpu.utils.when(mgpu.utils.single_thread_predicate(mgpu.utils.ThreadSubset.WARPGROUP)):
             n = memref.load(flag_ref, [arith.constant(index, 0)])
-            old = mgpu.utils.inline_ptx(
-                "fence.proxy.async.global;\n\tatom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
-                mgpu.utils.memref_ptr(counter_ref), n, result_types=i32, has_side_effects=True)
+            old = mgpu.utils.inline_ptx("atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
+                                        mgpu.utils.memref_ptr(counter_ref), n, result_types=i32,
+                                        has_side_effects=True)
             memref.store(old, flag_ref, [arith.constant(index, 1)])
         mgpu.utils.warpgroup_barrier()
 
@@ -525,7 +525,8 @@ def _merge(b, h, count, part_o, part_lse, rot, out_ref, lse_ref, b_smem, stage_r
     [Hkv, 2, D, D] (split) or None), lse_ref [B, Hkv, g] (natural base).
 
     The log-sum-exp bookkeeping is scalar code (every thread the same; S x 8 loads issued at
-    once): r, the largest lse of a real column, e = 2^(lse - r), den_q the sum of query q's e.
+    once): per query q, r_q the largest lse of its columns, e = 2^(lse - r_q), den_q the sum of
+    its e (one r for all queries would underflow a query whose lse trail another's by > 126).
     The partials weighted by e / den add up elementwise in f32 [D, 8]; a query's column
     blocks then add across lanes (`_sum_column_blocks`), and R times that is bf16 MMAs of
     R's hi + lo rows (register A operands, loaded from GMEM) on [o_hi | o_lo] (~16 bits, as
@@ -534,12 +535,12 @@ def _merge(b, h, count, part_o, part_lse, rot, out_ref, lse_ref, b_smem, stage_r
     wgmma_layout = plgpu.Layout.WGMMA
     real = [c for c in range(_N) if c % cols < g]
     lse = {(s, c): jnp.where(s < count, part_lse[b, h, s, c], -jnp.inf) for s in range(s_max) for c in real}
-    top = functools.reduce(jnp.maximum, lse.values())
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    e = {key: jnp.exp2(x - top) for key, x in lse.items()}
+    top = [functools.reduce(jnp.maximum, [x for (s, c), x in lse.items() if c % cols == q]) for q in range(g)]
+    top = [jnp.where(t == -jnp.inf, 0.0, t) for t in top]
+    e = {(s, c): jnp.exp2(x - top[c % cols]) for (s, c), x in lse.items()}
     den = [functools.reduce(lambda x, y: x + y, [x for (s, c), x in e.items() if c % cols == q]) for q in range(g)]
     for q in range(g):
-        lse_ref[b, h, q] = jnp.where(den[q] > 0, (top + jnp.log2(den[q])) * _LN2, -jnp.inf)
+        lse_ref[b, h, q] = jnp.where(den[q] > 0, (top[q] + jnp.log2(den[q])) * _LN2, -jnp.inf)
     inv = [jnp.where(x > 0, 1.0 / x, 0.0) for x in den]
     column = plgpu.broadcasted_iota(jnp.int32, (_N,), 0, layout=wgmma_layout.reduce(0))
     acc = plgpu.layout_cast(jnp.zeros((d, _N), jnp.float32), wgmma_layout)
@@ -583,7 +584,7 @@ def _merge(b, h, count, part_o, part_lse, rot, out_ref, lse_ref, b_smem, stage_r
 def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             sk_ref, sv_ref, rk_ref, rv_ref, *refs, codes, q_smem, qcol_smem, meta_smem, w_smem,
             o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, flag_smem=None, stage_k=None, stage_v=None,
-            stage_r=None, merge_bar=None, line: WorkLine, hist_tokens: int, head_dim: int, packed: int,
+            stage_r=None, line: WorkLine, hist_tokens: int, head_dim: int, packed: int,
             buffers: int, sink: int, window: int, g: int, kv_heads: int, warpgroups: int, merge: bool,
             rotate: bool, split: bool, interpret: bool):
     # Program k = warpgroup wg of block `block` takes units [bounds[k], bounds[k + 1]) of the
@@ -852,13 +853,10 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
         """Each pair's partials are merged by the program that stores its last one. Compiled, a
         program adds the partials it stored to the pair's arrival counter once they are in
         GMEM, and the one whose addition completes the count merges (and zeroes the counter
-        again: the input buffer leaves the kernel as it came). Interpreted (blocks in order,
-        the warpgroups of a block concurrently) the pair's last program merges, after a block
-        barrier."""
+        again: the counters are an input, not aliased to an output, that leaves the kernel as
+        it came). Interpreted (no atomics there; blocks in order, one program each) the pair's
+        last program merges."""
         plgpu.wait_smem_to_gmem(0)  # this program's partials written, not only read out of shared memory
-        if interpret:
-            plgpu.barrier_arrive(merge_bar)
-            plgpu.barrier_wait(merge_bar)
         for i in range(2):
             last, pair = arrive(i)
             pl.when(last)(lambda: _merge(pair // kv_heads, pair % kv_heads, table_ref[counts_at + pair], o_ref,
@@ -1085,6 +1083,9 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     if merge and (d > 128 or partials.max() > _MERGE_PARTIALS):
         raise ValueError(f"merge=True at D = {d} with up to {partials.max()} partials a pair: the in-kernel "
                          f"merge holds D <= 128 and at most {_MERGE_PARTIALS} partials a pair")
+    if merge and interpret and warpgroups > 1:
+        raise ValueError(f"merge=True in interpret mode at warpgroups={warpgroups}: interpreted, the pair's last "
+                         "program merges, which needs the others done, so 1 program a block (blocks run in order)")
     started = start.decode_start(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale, packed=packed,
                                  arrivals=merge, interpret=interpret)
     q_blocks, qcol, q_dense = started[:3]
@@ -1124,7 +1125,6 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         scratch["stage_v"] = plgpu.SMEM((wgs, _TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
         if merge:
             scratch["stage_r"] = plgpu.SMEM((wgs, 2, _ROWS, d), jnp.bfloat16, transforms=_bf16_tiles(d))
-            scratch["merge_bar"] = plgpu.Barrier(num_arrivals=wgs)
     # The partials. Merged in the kernel, a pair's rows are whole 128-byte lines (S a multiple
     # of 4), so that no line a merge loads holds another pair's rows: those may not be written
     # yet, and a line in this SM's L1 would not see them when they are.
