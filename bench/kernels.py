@@ -246,6 +246,7 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
             t = kernel_time(run, "oscar_mgpu")
             row["oscar_mgpu_wall_ms"] = wall_time(run, oscar_copies, reps) * 1e3
             row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
+            mgpu_o = run(oscar_copies)[0][0].astype(jnp.float32)  # (the compiled call: no new compile)
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             for key in ("oscar_mgpu_ms", "oscar_mgpu_kernels_us"):  # no time of a call that failed
@@ -257,9 +258,9 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
                                                  rotates=True)
                 run = unrolled(lambda qq, c: merged(qq, c, params))
                 kernel_time(run, "oscar_mgpu_merge")
-                ref = attention.attend(q, cache, params, implementation="pallas_mosaic_gpu")[0].astype(jnp.float32)
-                got = run([(q, cache)])[0][0].astype(jnp.float32)
-                row["oscar_mgpu_merge_rel_diff"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+                if "oscar_mgpu_error" not in row:
+                    got = run(oscar_copies)[0][0].astype(jnp.float32)
+                    row["oscar_mgpu_merge_rel_diff"] = float(jnp.linalg.norm(got - mgpu_o) / jnp.linalg.norm(mgpu_o))
             except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
                 row["oscar_mgpu_merge_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     auto_key = "oscar_mgpu_ms" if row["auto"] == "pallas_mosaic_gpu" else "oscar_ms"
