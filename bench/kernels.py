@@ -18,9 +18,7 @@ the host out. Each timed group runs the op over enough distinct input copies (>=
 in total) that no copy is served from L2, and the group time is divided by the number
 of copies. The wall-clock time of each JAX op (host dispatch included) is recorded beside
 it (`*_wall_ms`), and of each OSCAR call the time of each of its kernels (`*_kernels_us`:
-`decode_start`, the attention kernel, `decode_finish`; at D <= 128 the Mosaic GPU call is also
-timed with the partials merged inside the kernel, `merge=True`: `oscar_mgpu_merge_*`, and its
-output's relative difference from the default call's). GB/s counts the bytes each op must read.
+`decode_start`, the attention kernel, `decode_finish`). GB/s counts the bytes each op must read.
 
 Run on a GPU:  python bench/kernels.py --tune --shapes 2,0,1,3,4,5,6 --out bench/results/kernels_h200.json
 (--tune first sweeps BlockSizes on the first shape and uses the fastest for all.) The JSON is
@@ -207,10 +205,9 @@ def read_ceiling(reps: int) -> dict:
 
 
 def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, row: dict | None = None,
-                saved=lambda: None, merge: bool = True) -> dict:
+                saved=lambda: None) -> dict:
     """Time one shape's row (returned; filled into `row` when given), calling saved() after every
-    op timed, so that a run cut off by a time limit keeps the columns it measured. merge: also
-    time the Mosaic GPU call with its partials merged in the kernel (D <= 128)."""
+    op timed, so that a run cut off by a time limit keeps the columns it measured."""
     key = jax.random.key(hash(shape.name) % 2**31)
     cache, params, k, v = build_oscar(shape, key)
     q = jax.random.normal(jax.random.key(2), (shape.batch, 1, shape.q_heads, shape.head_dim), jnp.bfloat16)
@@ -246,23 +243,10 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
             t = kernel_time(run, "oscar_mgpu")
             row["oscar_mgpu_wall_ms"] = wall_time(run, oscar_copies, reps) * 1e3
             row["oscar_mgpu_GBps"] = oscar_nbytes / t / 1e9
-            mgpu_o = run(oscar_copies)[0][0].astype(jnp.float32)  # (the compiled call: no new compile)
         except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
             row["oscar_mgpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             for key in ("oscar_mgpu_ms", "oscar_mgpu_kernels_us"):  # no time of a call that failed
                 row.pop(key, None)
-        if merge and shape.head_dim <= 128:  # the same call with the partials merged in the kernel (merge=True:
-            # its A/B against decode_finish's merge, same run)
-            try:
-                merged = attention.kernel_attend(functools.partial(mixed_attention_mgpu.mixed_attention, merge=True),
-                                                 rotates=True)
-                run = unrolled(lambda qq, c: merged(qq, c, params))
-                kernel_time(run, "oscar_mgpu_merge")
-                if "oscar_mgpu_error" not in row:
-                    got = run(oscar_copies)[0][0].astype(jnp.float32)
-                    row["oscar_mgpu_merge_rel_diff"] = float(jnp.linalg.norm(got - mgpu_o) / jnp.linalg.norm(mgpu_o))
-            except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
-                row["oscar_mgpu_merge_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     auto_key = "oscar_mgpu_ms" if row["auto"] == "pallas_mosaic_gpu" else "oscar_ms"
     if auto_key in row:
         row["auto_ms"] = row[auto_key]
@@ -401,8 +385,8 @@ def markdown(result: dict) -> str:
              "the op's kernels; torch: CUDA events); wall = wall-clock per call, host dispatch included.", "",
              "| shape | bpe | kernel | OSCAR ms | OSCAR GB/s | x cuDNN | x torch flash | "
              "cuDNN ms | torch flash ms | XLA bf16 ms | XLA dequant ms | Triton ms | Mosaic GPU ms | "
-             "Mosaic GPU, in-kernel merge ms | OSCAR wall ms | cuDNN wall ms |",
-             "|" + "---|" * 16]
+             "OSCAR wall ms | cuDNN wall ms |",
+             "|" + "---|" * 15]
     f = lambda r, k: f"{r[k]:.3f}" if k in r else "n/a"
     # ratios from the times, so that a row cut off after some baselines still shows them
     x = lambda r, base: f"{r[base] / r['auto_ms']:.3f}" if base in r and "auto_ms" in r else "n/a"
@@ -413,7 +397,6 @@ def markdown(result: dict) -> str:
                      f"{f(r, 'jax_cudnn_ms')} | {f(r, 'torch_flash_ms')} | {f(r, 'jax_xla_ms')} | "
                      f"{f(r, 'xla_dequant_ms')} | {f(r, 'oscar_ms')} | "
                      f"{f(r, 'oscar_mgpu_ms') if 'oscar_mgpu_error' not in r else 'failed'} | "
-                     f"{f(r, 'oscar_mgpu_merge_ms') if 'oscar_mgpu_merge_error' not in r else 'failed'} | "
                      f"{f(r, 'oscar_mgpu_wall_ms' if r['auto'] == 'pallas_mosaic_gpu' else 'oscar_wall_ms')} | "
                      f"{f(r, 'jax_cudnn_wall_ms')} |")
     c = result["ceiling"]
@@ -445,8 +428,6 @@ def main(argv=None):
     p.add_argument("--no-write", action="store_true", help="time the attention rows only")
     p.add_argument("--tune", action="store_true",
                    help="sweep BlockSizes on the first shape, then compare with the fastest")
-    p.add_argument("--no-merge", action="store_true",
-                   help="do not also time the Mosaic GPU call with the in-kernel merge (merge=True)")
     p.add_argument("--markdown", action="store_true",
                    help="only write the .md table of the JSON saved at --out (a cut-off run's too); no GPU")
     args = p.parse_args(argv)
@@ -494,7 +475,7 @@ def main(argv=None):
         save()
     for shape in shapes:
         result["attention"].append({})
-        bench_shape(shape, args.reps, blocks, row=result["attention"][-1], saved=save, merge=not args.no_merge)
+        bench_shape(shape, args.reps, blocks, row=result["attention"][-1], saved=save)
         print(json.dumps(result["attention"][-1]), flush=True)
         save()
     write_markdown(result, args.out)

@@ -1,9 +1,8 @@
 """Per-program timeline of the Mosaic GPU decode kernel: when each program ends, on which SM.
 
-Builds an instrumented copy of `mixed_attention_mgpu` (its source with four stamps per
-program: %globaltimer, %clock64 and %smid at the program's start, after its first piece, after
-its last one and at its end, after the in-kernel merge where the kernel merges, written to one
-more output) and runs the B8 H32/8 D128 decode at --seq tokens.
+Builds an instrumented copy of `mixed_attention_mgpu` (its source with three stamps per
+program: %globaltimer, %clock64 and %smid at the program's start, after its first piece and
+at its end, written to one more output) and runs the B8 H32/8 D128 decode at --seq tokens.
 The stamps cost a few instructions per program, none per step. Reports the spread of the
 programs' end times (the kernel ends with its last program), by kind of program (one or two
 pieces, with or without a sink and ring), the time per history tile of the first and the
@@ -38,23 +37,19 @@ from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as mm  # noqa: E40
 
 # (text of mixed_attention_mgpu.py, its instrumented replacement); each must occur once.
 _PATCH = [
-    ("sk_ref, sv_ref, rk_ref, rv_ref, *refs, codes,",
-     "sk_ref, sv_ref, rk_ref, rv_ref, *refs, codes, stamp_smem,"),
-    ("    if merge:\n        arrivals_ref, *refs = refs\n",
-     "    *refs, t_ref = refs\n    if merge:\n        arrivals_ref, *refs = refs\n"),
+    ("sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes,",
+     "sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, t_ref, *, codes, stamp_smem,"),
     ("    writes = flat < line.programs\n",
      "    writes = flat < line.programs\n    stamp_smem = stamp_smem.at[wg]\n    _stamp(stamp_smem, 0)\n"),
     ("    piece(0)\n    pl.when(line.pieces(u0, u1) > 1)(functools.partial(piece, 1))\n",
      "    piece(0)\n    _stamp(stamp_smem, 3)\n    pl.when(line.pieces(u0, u1) > 1)(functools.partial(piece, 1))\n"
-     "    _stamp(stamp_smem, 6)\n"),
-    ("    if merge:\n        merge_pairs()\n",
-     "    if merge:\n        merge_pairs()\n    _stamp(stamp_smem, 9)\n    plgpu.commit_smem()\n"
-     "    plgpu.copy_smem_to_gmem(stamp_smem, t_ref.at[flat])\n    plgpu.wait_smem_to_gmem(0)\n"),
+     "    _stamp(stamp_smem, 6)\n    plgpu.commit_smem()\n    plgpu.copy_smem_to_gmem(stamp_smem, t_ref.at[flat])\n"
+     "    plgpu.wait_smem_to_gmem(0)\n"),
     ("        red_smem=plgpu.SMEM(", "        stamp_smem=plgpu.SMEM((wgs, 16), jnp.int32),\n        red_smem=plgpu.SMEM("),
-    ("    kernel = plgpu.kernel(\n",
-     "    out_type.append(jax.ShapeDtypeStruct((-(-line.programs // wgs) * wgs, 16), jnp.int32))\n"
-     "    kernel = plgpu.kernel(\n"),
-    ("    outs = kernel(", "    *outs, stamps = kernel("),
+    ("                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32)],",
+     "                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32),\n"
+     "                  jax.ShapeDtypeStruct((-(-line.programs // wgs) * wgs, 16), jnp.int32)],"),
+    ("    o_t, lse2 = kernel(", "    o_t, lse2, stamps = kernel("),
     ("    partials = line.tables()[2]  # per pair\n",
      "    partials = line.tables()[2]  # per pair\n    globals()['last_line'] = line  # (for the summary)\n"),
     ("    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)",
@@ -120,13 +115,9 @@ def summary(stamps: np.ndarray, line) -> dict:
     for sm, e in zip(st[:, 2], end):
         last[int(sm)] = max(last.get(int(sm), 0.0), e)
     last_end = np.asarray(list(last.values()))
-    out = {"programs": line.programs, "start_spread_us": round(float(start.max()), 2), "end_us": pct(end),
-           "kinds": kinds, "pieces": pieces, "sms": len(last), "sm_last_end_us": pct(last_end),
-           "mean_sm_idle_before_end_us": round(float(end.max() - last_end.mean()), 1)}
-    if st[:, 9].any():  # the kernel merged: each program's arrivals and any merges after its pieces
-        tail = (st[:, 9] - st[:, 6]) / 1e3
-        out["merge"] = {"tail_us": pct(tail), "end_us": pct((st[:, 9] - t0) / 1e3)}
-    return out
+    return {"programs": line.programs, "start_spread_us": round(float(start.max()), 2), "end_us": pct(end),
+            "kinds": kinds, "pieces": pieces, "sms": len(last), "sm_last_end_us": pct(last_end),
+            "mean_sm_idle_before_end_us": round(float(end.max() - last_end.mean()), 1)}
 
 
 def features(line, warpgroups: int = 3) -> np.ndarray:
@@ -202,8 +193,6 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=131072)
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--merge", choices=("auto", "kernel", "finish"), default="auto",
-                    help="where the partials merge: the kernel's default, in the kernel, or in decode_finish")
     ap.add_argument("--model", default=None, help="a saved timeline: model other work lines on it (no GPU)")
     args = ap.parse_args()
     if args.model:
@@ -221,8 +210,7 @@ def main() -> None:
         qq, c.sink_k, c.sink_v, c.hist_codes_k, c.hist_codes_v, c.hist_lo_k, c.hist_scale_k, c.hist_lo_v,
         c.hist_scale_v, c.recent_k, c.recent_v, c.lengths, sink=spec.sink, window=spec.window,
         bits=spec.quant.bits, levels=spec.quant.levels, softmax_scale=spec.head_dim ** -0.5,
-        query_rot=params.query_rot_parts, out_dtype=qq.dtype, output_rot=params.output_rot_parts,
-        merge={"auto": None, "kernel": True, "finish": False}[args.merge]))
+        query_rot=params.query_rot_parts, out_dtype=qq.dtype, output_rot=params.output_rot_parts))
     runs = [np.asarray(call(q, cache)[2]) for _ in range(args.runs + 1)][1:]  # the first one warms up
     line = timed.last_line  # the call's work line, set when it was traced
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "seq": args.seq,

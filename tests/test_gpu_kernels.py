@@ -433,43 +433,6 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
                      rotates=False)
 
 
-# (D, g, the output rotation as the kernel gets it, history tokens, target programs, query 0's
-# scale): slices_per_tile 2 (g = 4: a query's two column blocks add across lanes), 1 (g = 8)
-# and 4 (g = 2: four blocks); the rotation's bf16 parts, f32 (split in the kernel) and none
-# (v_folded); 10 partials a pair (9 tiles, a program each); query 0 of each head 30x the others,
-# whose lse then trail its own by ~500 (base 2: one reference lse for all queries would
-# underflow theirs).
-MERGE_CASES = [(128, 4, "parts", 1024, 12, 30.0), (128, 8, "f32", 1024, 10, 1.0), (64, 2, "folded", 1024, 14, 1.0),
-               (64, 3, "parts", 2304, 1024, 1.0)]
-
-
-@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-hist{}-p{}-q0x{}".format(*c))
-def test_mgpu_merge_in_kernel_matches_decode_finish(case, warpgroups=1):
-    """The in-kernel merge (`_merge`, by the program that stores a pair's last partial) against
-    `decode_finish` (tested against a direct merge) over the same partials: ragged lengths with
-    empty histories and programs spanning two pairs; o to ~1e-5 (both rotate back on bf16 hi +
-    lo MMAs, ~16 bits), the lse to 1e-5. Interpreted at one program a block (the interpreter
-    has no atomics: the pair's last program merges, blocks running in order)."""
-    d, g, rot, hist, target, peak = case
-    spec = _spec(d, d, "uniform", "bfloat16", hist=hist)
-    rng = np.random.default_rng([d, g, target])
-    q, cache, params = _random_case(rng, spec, g, 1, _lengths(rng, 2, 1, spec), k_shift=True)
-    q = q.at[:, :, 0::g].multiply(peak)
-    params = {"parts": params, "f32": dataclasses.replace(params, query_rot_parts=None, output_rot_parts=None),
-              "folded": dataclasses.replace(params, v_folded=True)}[rot]
-    out = {}
-    for merge in (True, False):
-        kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target, merge=merge,
-                                   warpgroups=warpgroups)
-        out[merge] = jax.jit(attention.kernel_attend(kernel, rotates=True))(q, cache, params)
-    (o, lse), (o_ref, lse_ref) = out[True], out[False]
-    assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
-    for row in range(spec.batch):
-        rel = float(jnp.linalg.norm(o[row] - o_ref[row]) / jnp.linalg.norm(o_ref[row]))
-        assert rel <= 3e-5, f"row {row}: relative error {rel:.3e}"
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-5, rtol=1e-6)
-
-
 def test_mgpu_schedule():
     """3 programs per block only where they outnumber one wave of 2 per SM (132 SMs off a
     GPU), and then 2 TMA buffers only; the work line cut into the fewest units per program
@@ -673,14 +636,6 @@ def test_mgpu_refuses_what_it_does_not_handle():
                            jnp.ones((4, spec.kv_heads), jnp.int32), cols=4, g=4, output_rot=r, interpret=True))):
         with pytest.raises(ValueError, match=f"{name}.shape"):  # parts of one head too few
             call(params.query_rot_parts[:1])
-    spec = _spec(64, 64, "uniform", "bfloat16", hist=4352)  # 17 tiles a pair, one a program: 18 partials
-    q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
-    many = functools.partial(mixed_attention_mgpu.mixed_attention, merge=True, target_programs=1024)
-    with pytest.raises(ValueError, match="at most 16 partials"):
-        attention.kernel_attend(many, rotates=True)(q, cache, params)
-    blocks_of_3 = functools.partial(mixed_attention_mgpu.mixed_attention, merge=True, target_programs=8, warpgroups=3)
-    with pytest.raises(ValueError, match="interpret mode at warpgroups=3"):
-        attention.kernel_attend(blocks_of_3, rotates=True)(q, cache, params)
 
 
 def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
@@ -703,14 +658,12 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
 
 # CI time: 16-46 s a case on 2 cores; 1 warpgroup a block and 4 slices a tile lower only on
 # the GPU (`test_mgpu_one_warpgroup_on_gpu`, `test_mgpu_attention_on_gpu`).
-@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (256, 8, True, None), (64, 3, False, None),
-                                                    (64, 4, True, None)])
+@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (256, 8, True, None), (64, 3, False, None)])
 def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
     """B8 Hkv 8 at 32K, slices_per_tile 2 (D = 128), 1 (D = 256) and 2 at D = 64's 64-byte
     swizzle, 3 programs per block: Mosaic GPU's layout inference, wgmma and TMA checks for
-    sm_90, and the Triton lowering of decode_start (and, at D = 256, of decode_finish; at D <= 128
-    the kernel merges: its arrival atomics, partial loads and back-rotation MMAs), without the
-    rotations, with f32 ones and, at D = 128 with a bf16 q, with their bf16 parts."""
+    sm_90, and the Triton lowering of decode_start and decode_finish (without the rotations,
+    with f32 ones and, at D = 128 with a bf16 q, with their bf16 parts)."""
     b, hkv, rows, sink, window = 8, 8, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
@@ -720,7 +673,7 @@ def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
     fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
                            levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False,
-                           warpgroups=warpgroups, merge=d <= 128)
+                           warpgroups=warpgroups)
     if rotate:
         rot = sds((hkv, 2, d, d), bf) if d == 128 else sds((hkv, d, d), jnp.float32)
         _lower_for_h200(lambda *a: fn(*a[:-2], query_rot=a[-2], output_rot=a[-1]), (*args, rot, rot))
@@ -763,16 +716,6 @@ def test_mgpu_attention_on_gpu(case):
 @gpu
 def test_mgpu_one_warpgroup_on_gpu():
     test_mgpu_one_warpgroup_three_buffers_match_reference()
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: "d{}-g{}-{}-hist{}-p{}-q0x{}".format(*c))
-def test_mgpu_merge_in_kernel_on_gpu(case):
-    """Compiled, at 3 programs a block: the arrival counters (inline PTX atom.add) pick the
-    merging program, and a block's three merge operands lie in the shared-memory union side by
-    side."""
-    test_mgpu_merge_in_kernel_matches_decode_finish(case, warpgroups=3)
 
 
 @pytest.mark.gpu
@@ -917,8 +860,7 @@ def test_kernels_table_of_a_cut_off_run(tmp_path):
     import json
     kernels = _bench_module("kernels")
     cut = {"shape": {"name": "B8 128K"}, "bits_per_element": 2.28, "auto": "pallas_mosaic_gpu",
-           "oscar_ms": 0.784, "oscar_mgpu_ms": 0.1951, "oscar_mgpu_merge_ms": 0.1925, "auto_ms": 0.1951,
-           "auto_GBps": 3143.0, "jax_cudnn_ms": 0.9686}
+           "oscar_ms": 0.784, "oscar_mgpu_ms": 0.1951, "auto_ms": 0.1951, "auto_GBps": 3143.0, "jax_cudnn_ms": 0.9686}
     result = {"device": "NVIDIA H200", "jax": "0.11.2", "command": "python bench/kernels.py", "reps": 50,
               "ceiling": {"xla_sum_read_GBps": 4676.0, "copy_read_write_GBps": 3370.0},
               "attention": [cut, {"shape": {"name": "B8 32K"}, "bits_per_element": 2.38, "auto": "pallas_mosaic_gpu"},
@@ -929,15 +871,14 @@ def test_kernels_table_of_a_cut_off_run(tmp_path):
     rows = [line.split(" | ") for line in (tmp_path / "run.md").read_text().splitlines() if line.startswith("| B8")]
     assert [r[0] for r in rows] == ["| B8 128K", "| B8 32K"]
     assert rows[0][3:7] == ["0.195", "3143", f"{0.9686 / 0.1951:.3f}", "n/a"]  # OSCAR ms, GB/s, x cuDNN, x torch
-    assert rows[0][12:14] == ["0.195", "0.193"]  # Mosaic GPU, and with the in-kernel merge
     assert set(rows[1][3:-1]) <= {"n/a", "nan"}
 
 
 def test_timeline_patch_applies_and_summarises(timeline):
     """bench/timeline.py: its stamps patch still applies (each replaced text once) to
     mixed_attention_mgpu.py, and its summary of synthetic stamps (program k ends at k + 1 us,
-    two programs per SM) gives the end times, each SM's idle time before the end, the tail
-    of the in-kernel merge, and the per-tile fit of the pieces of two-piece programs."""
+    two programs per SM) gives the end times and each SM's idle time before the end, and the
+    per-tile fit of the pieces of two-piece programs."""
     assert callable(timeline.instrumented().mixed_attention)
     line = mixed_attention_mgpu.WorkLine.cut(4, 3, 1, 2)
     n = line.programs
@@ -946,10 +887,6 @@ def test_timeline_patch_applies_and_summarises(timeline):
     stamps[:n, 6] = 500 + 1000 * (np.arange(n) + 1)
     stamps[:n, 2] = np.arange(n) // 2
     out = timeline.summary(stamps, line)
-    assert "merge" not in out  # (no stamps after a merge)
-    stamps[:n, 9] = stamps[:n, 6] + 2000  # every program 2 us longer with its arrivals and merges
-    merged = timeline.summary(stamps, line)["merge"]
-    assert merged["tail_us"][0] == merged["tail_us"][100] == 2.0 and merged["end_us"][100] == n + 2
     ends = np.arange(n) + 1.0
     last = ends.reshape(-1, 2).max(axis=1) if n % 2 == 0 else np.append(ends[:-1].reshape(-1, 2).max(axis=1), ends[-1])
     assert out["programs"] == n and out["end_us"][100] == n and out["end_us"][0] == 1.0

@@ -77,10 +77,9 @@ def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, ja
     return hi.astype(jnp.int8), lo.astype(jnp.int8), unit / Q_LO
 
 
-def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, split: bool, arrivals: bool):
+def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, split: bool):
     """One (batch row, KV head) of `decode_start`; split: the rotation comes as its bf16 parts."""
-    rot_ref, *refs = refs if rotate else (None, *refs)
-    qb_ref, qcol_ref, qd_ref, arrivals_ref = refs if arrivals else (*refs, None)
+    rot_ref, qb_ref, qcol_ref, qd_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
     d, packed = q_ref.shape[-1], N // cols
     # Row r of a [16, .] tile (a dot's least M) is column c = r % 8 of the N = 8 query columns:
@@ -115,17 +114,12 @@ def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, split: 
     rows = jnp.arange(TILE_ROWS)[:, None]
     for k, vec in enumerate((q_step, q_sum)):  # the same in every row of the [64, 8] tile
         plgpu.store(qcol_ref.at[b, h, k, rows, tile_rows.T], jnp.broadcast_to(vec[None, :], (TILE_ROWS, 2 * N)))
-    if arrivals:
-        plgpu.store(arrivals_ref.at[b, h], jnp.int32(0))
 
 
-def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int, arrivals: bool = False,
-                 interpret: bool = False):
+def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int, interpret: bool = False):
     """q [B, Hq, D] (model basis, or rotated when query_rot is None); query_rot f32
     [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`: nothing to split in the
-    kernel) or None; packed: the history kernel's token slices per score tile; arrivals: also
-    return the history kernel's zeroed arrival counters (int32 [B, Hkv], for its in-kernel
-    merge: zeros written here cost no launch of their own).
+    kernel) or None; packed: the history kernel's token slices per score tile.
 
     Returns, per (batch row, KV head), in one Triton kernel, all in base 2 (log2 e and the
     softmax scale folded into the rotated queries); column c of the N = 8 query columns is
@@ -134,8 +128,7 @@ def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: i
         8..15 for column block j (zeros elsewhere; padding columns are 0);
       qcol f32 [B, Hkv, 2, 64, 8]: q_step and Σq of each column, repeated over 64 rows;
       q_dense bf16 [B, Hkv, 2, 16, D]: the columns' queries as hi + lo parts (~16 bits), row
-        r holding column r % 8 (for the bf16 MMAs over the sink and ring);
-      and, given arrivals, int32 [B, Hkv] zeros.
+        r holding column r % 8 (for the bf16 MMAs over the sink and ring).
     """
     b, hq, d = q.shape
     g, cols = hq // kv_heads, N // packed
@@ -146,11 +139,8 @@ def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: i
     out_shape = [jax.ShapeDtypeStruct((b, kv_heads, packed, 2 * N, d), jnp.int8),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, TILE_ROWS, N), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, 2 * N, d), jnp.bfloat16)]
-    if arrivals:
-        out_shape.append(jax.ShapeDtypeStruct((b, kv_heads), jnp.int32))
     return pl.pallas_call(
-        functools.partial(_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, split=split,
-                          arrivals=arrivals),
+        functools.partial(_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, split=split),
         grid=(b, kv_heads),
         in_specs=[full(x.shape) for x in inputs],
         out_specs=[full(o.shape) for o in out_shape],

@@ -60,9 +60,7 @@ bf16 MMAs in 64-token blocks (`_dense`), into one more partial (never cut: `Work
 Three launches per call: `decode_start` (one Triton kernel: the query rotation, the
 softmax scale and every query layout the MMAs need), this kernel, and `decode_finish` (one
 Triton kernel: the merge of every partial and, at D <= 128, the back-rotation of the
-output; XLA rotates back at D = 256). With `merge=True` (D <= 128), two: the program that
-stores a pair's last partial merges the pair and rotates it back (`_merge`), found by an
-arrival counter per pair (`_fetch_add`).
+output; XLA rotates back at D = 256).
 
 Scope (`supports`): C = 1, D = G in {64, 128, 256}, uniform 2-bit codes, bf16 metadata,
 g <= 8, packed history rows fewer than 64 (padded here) or a multiple of 64 (whole TMA
@@ -95,7 +93,6 @@ from . import decode_start as start
 from .decode_finish import decode_finish
 from .hopper import bf16_tiles as _bf16_tiles, int8_tiles as _int8_tiles, sm_count
 
-_LN2 = math.log(2.0)
 _ROWS = start.TILE_ROWS  # packed rows per step: one m64 MMA tile per token slice
 _N = start.N  # query columns (the smallest MMA N): g heads of one or more token slices
 _TPB = 4  # tokens per packed byte (2-bit codes)
@@ -122,11 +119,6 @@ _DENSE_TILE_COST = 0.8
 # 128K, one run (bench/results/kernels_session14_ab_h200.json): 0 took 0.2199 ms, 6 0.2150,
 # 8 0.2137, 10 0.2136, 12 0.2154, 16 0.2157; at 32K and B1 128K 8 timed as 0 (within 0.4%).
 _SWITCH_COST = 8
-# The in-kernel merge (`_merge`, by the program that stores a pair's last partial; `merge=True`)
-# holds at most this many partials a pair: one program loads their S x 8 log-sum-exps and S
-# tiles (B8 H32/8 D128 has up to 8 at 8K-128K, SmolLM2's B8 8K 12, B4 32K 13; B1 128K 48,
-# which `decode_finish` merges over many programs).
-_MERGE_PARTIALS = 16
 
 
 def _code_shift(s: int, scaled: bool) -> tuple[int, int]:
@@ -411,208 +403,28 @@ def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem
     lse16_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-
-def _concat_columns(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
-    """f32 [R, 8] a, b (WGMMA layout) -> [R, 16] = [a | b]: their registers side by side."""
-    if interpret:
-        return jnp.concatenate([a, b], axis=1)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
-                       return_type=plgpu.ShapeDtypeStruct((a.shape[0], 2 * _N), jnp.float32,
-                                                          layout=plgpu.Layout.WGMMA))
-    def concat(ctx, x, y):
-        del ctx
-        return mgpu.FragmentedArray(_registers=np.concatenate([x.registers, y.registers], axis=1),
-                                    _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-
-    return concat(a, b)
-
-
-def _sum_column_blocks(x: jax.Array, cols: int, *, interpret: bool) -> jax.Array:
-    """f32 [R, 8] (WGMMA layout) -> [R, 8] whose column c is the sum of x's columns c' with
-    c' % cols == c % cols (a query's column blocks). A thread holds columns 2 (lane % 4) and
-    2 (lane % 4) + 1, so column c + k cols lies in lane + k cols / 2: butterfly shuffles over
-    lane distances cols / 2 .. 2."""
-    packed = _N // cols
-    if packed == 1:
-        return x
-    if interpret:
-        return jnp.tile(x.reshape(x.shape[0], packed, cols).sum(axis=1), (1, packed))
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                       return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
-    def shuffle_sum(ctx, array):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        out = np.empty_like(array.registers)
-        for idx, reg in np.ndenumerate(array.registers):
-            parts = [llvm.extractelement(reg, arith.constant(i32, e)) for e in range(2)]
-            for distance in (1, 2):
-                if distance >= cols // 2:
-                    parts = [arith.addf(v, mgpu.utils.shfl_bfly(v, distance)) for v in parts]
-            vec = reg
-            for e, v in enumerate(parts):
-                vec = llvm.insertelement(vec, v, arith.constant(i32, e))
-            out[idx] = vec
-        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-
-    return shuffle_sum(x)
-
-
-def _store_transposed(arrays, ref, g: int, *, interpret: bool) -> None:
-    """f32 [64 k, 8] arrays (WGMMA layout; rows: consecutive channels, end to end; column c:
-    query c) -> ref [g, D] (GMEM, bf16 or f32): ref[c, r] = x[r, c] for c < g, each element
-    one store from the thread that holds it (no transposed TMA)."""
-    if interpret:
-        ref[...] = jnp.concatenate(arrays, axis=0).T[:g].astype(ref.dtype)
-        return
-
-    @plgpu.inline_mgpu(arg_types=((plgpu.Layout.WGMMA,) * len(arrays), plgpu.RefType()))
-    def store(ctx, xs, out):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        const = lambda v: arith.constant(i32, v)
-        dtype = ir.MemRefType(out.type).element_type
-        base = mgpu.utils.memref_ptr(out)
-        d = ir.MemRefType(out.type).shape[-1]
-        row0 = 0
-        for x in xs:
-            for reg_idx, (row, col) in zip(np.ndindex(x.registers.shape), x.layout.thread_idxs(x.shape)):
-                row, col = (arith.index_castui(i32, v) for v in (row, col))
-                for e in range(x.layout.vector_length):
-                    column = arith.addi(col, const(e))
-                    value = llvm.extractelement(x.registers[reg_idx], const(e))
-                    if dtype != ir.F32Type.get():
-                        value = arith.truncf(dtype, value)
-                    at = arith.addi(arith.muli(column, const(d)), arith.addi(row, const(row0)))
-                    with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.ult, column, const(g))):
-                        llvm.store(value, mgpu.utils.getelementptr(base, [at], dtype))
-            row0 += x.shape[0]
-
-    store(tuple(arrays), ref)
-
-
-def _fetch_add(counter, flags) -> None:
-    """Every thread fences the async proxy (this warpgroup's TMA stores, awaited, before any
-    later generic access), then after a barrier (flags[0], shared memory, was just stored) one
-    thread of the warpgroup adds flags[0] to the GMEM counter (int32, 0-d) with acq_rel
-    semantics and leaves the old value in flags[1], for all its threads after a second barrier:
-    the merging program acquires the stores that the others' additions release."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def fetch_add(ctx, counter_ref, flag_ref):
-        del ctx
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
-        mgpu.utils.warpgroup_barrier()
-        with mgpu.utils.when(mgpu.utils.single_thread_predicate(mgpu.utils.ThreadSubset.WARPGROUP)):
-            n = memref.load(flag_ref, [arith.constant(index, 0)])
-            old = mgpu.utils.inline_ptx("atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
-                                        mgpu.utils.memref_ptr(counter_ref), n, result_types=i32,
-                                        has_side_effects=True)
-            memref.store(old, flag_ref, [arith.constant(index, 1)])
-        mgpu.utils.warpgroup_barrier()
-
-    fetch_add(counter, flags)
-
-
-def _merge(b, h, count, part_o, part_lse, rot, out_ref, lse_ref, b_smem, stage_r, *, s_max: int, g: int,
-           cols: int, split: bool, interpret: bool) -> None:
-    """The end of a decode, in the program that stored the last of pair (b, h)'s partials:
-    its partials 0 .. count - 1, count <= s_max (part_o f32 [B, Hkv, S, D, 8] o^T normalised,
-    part_lse f32 [B, Hkv, S, 8] base 2; column c holds query c % cols, -inf: nothing seen) merged and
-    rotated back -> out_ref [B, Hkv, g, D] (o = o_rot R^T, rot f32 [Hkv, D, D], its bf16 parts
-    [Hkv, 2, D, D] (split) or None), lse_ref [B, Hkv, g] (natural base).
-
-    The log-sum-exp bookkeeping is scalar code (every thread the same; S x 8 loads issued at
-    once): per query q, r_q the largest lse of its columns, e = 2^(lse - r_q), den_q the sum of
-    its e (one r for all queries would underflow a query whose lse trail another's by > 126).
-    The partials weighted by e / den add up elementwise in f32 [D, 8]; a query's column
-    blocks then add across lanes (`_sum_column_blocks`), and R times that is bf16 MMAs of
-    R's hi + lo rows (register A operands, loaded from GMEM) on [o_hi | o_lo] (~16 bits, as
-    `decode_finish`'s `bf16_product`)."""
-    d = part_o.shape[3]
-    wgmma_layout = plgpu.Layout.WGMMA
-    real = [c for c in range(_N) if c % cols < g]
-    lse = {(s, c): jnp.where(s < count, part_lse[b, h, s, c], -jnp.inf) for s in range(s_max) for c in real}
-    top = [functools.reduce(jnp.maximum, [x for (s, c), x in lse.items() if c % cols == q]) for q in range(g)]
-    top = [jnp.where(t == -jnp.inf, 0.0, t) for t in top]
-    e = {(s, c): jnp.exp2(x - top[c % cols]) for (s, c), x in lse.items()}
-    den = [functools.reduce(lambda x, y: x + y, [x for (s, c), x in e.items() if c % cols == q]) for q in range(g)]
-    for q in range(g):
-        lse_ref[b, h, q] = jnp.where(den[q] > 0, (top[q] + jnp.log2(den[q])) * _LN2, -jnp.inf)
-    inv = [jnp.where(x > 0, 1.0 / x, 0.0) for x in den]
-    column = plgpu.broadcasted_iota(jnp.int32, (_N,), 0, layout=wgmma_layout.reduce(0))
-    acc = plgpu.layout_cast(jnp.zeros((d, _N), jnp.float32), wgmma_layout)
-    for s in range(s_max):  # past count: weight 0 on a written partial (finite), not a select
-        w = column.astype(jnp.float32) * 0.0
-        for c in real:
-            w = jnp.where(column == c, e[s, c] * inv[c % cols], w)
-        o = plgpu.load(part_o.at[b, h, jnp.minimum(s, count - 1)], layout=wgmma_layout, optimized=False)
-        acc = acc + o * lax.broadcast_in_dim(w, (d, _N), [1])
-    acc = _sum_column_blocks(acc, cols, interpret=interpret)
-    if rot is None:
-        _store_transposed([acc], out_ref.at[b, h], g, interpret=interpret)
-        return
-    hi = acc.astype(jnp.bfloat16).astype(jnp.float32)
-    b_smem[...] = _concat_columns(hi, acc - hi, interpret=interpret).astype(jnp.bfloat16)  # [o_hi | o_lo]
-    plgpu.commit_smem()
-    outs = []
-    for half in range(d // _ROWS):  # out^T rows (output channels) 64 at a time: R's rows as A
-        rows = pl.ds(half * _ROWS, _ROWS)
-        if split:
-            parts = [plgpu.load(rot.at[h, k, rows], layout=wgmma_layout, optimized=False) for k in range(2)]
-        else:
-            x = plgpu.load(rot.at[h, rows], layout=wgmma_layout, optimized=False)
-            r_hi = x.astype(jnp.bfloat16)
-            parts = [r_hi, (x - r_hi.astype(jnp.float32)).astype(jnp.bfloat16)]
-
-        def mma(acc_ref):
-            for k, a in enumerate(parts):
-                if interpret:  # the GPU interpreter takes no register operands
-                    stage_r.at[k][...] = a
-                    plgpu.commit_smem()
-                    a = stage_r.at[k]
-                plgpu.wgmma(acc_ref, a, b_smem)
-            return acc_ref[...]
-
-        t = pl.run_scoped(mma, plgpu.ACC((_ROWS, 2 * _N), jnp.float32))
-        outs.append(t[:, :_N] + t[:, _N:])  # R o_hi + R o_lo
-    _store_transposed(outs, out_ref.at[b, h], g, interpret=interpret)
-
-
 def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
-            sk_ref, sv_ref, rk_ref, rv_ref, *refs, codes, q_smem, qcol_smem, meta_smem, w_smem,
-            o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, flag_smem=None, stage_k=None, stage_v=None,
-            stage_r=None, line: WorkLine, hist_tokens: int, head_dim: int, packed: int,
-            buffers: int, sink: int, window: int, g: int, kv_heads: int, warpgroups: int, merge: bool,
-            rotate: bool, split: bool, interpret: bool):
+            sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes, q_smem, qcol_smem, meta_smem, w_smem,
+            o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, stage_k=None, stage_v=None,
+            line: WorkLine, hist_tokens: int, head_dim: int, packed: int, buffers: int,
+            sink: int, window: int, g: int, kv_heads: int, warpgroups: int, interpret: bool):
     # Program k = warpgroup wg of block `block` takes units [bounds[k], bounds[k + 1]) of the
     # work line (`WorkLine`; its tables, end to end in table_ref: bounds, each pair's first
     # program and its partials): pieces of one or two (batch row, KV head) pairs. The last
-    # block's spare warpgroups compute the last program again and write nothing. With merge,
-    # refs are (arrivals, the output rotation where rotate, partials o and lse, o, lse), else
-    # (partials o and lse).
-    if merge:
-        arrivals_ref, *refs = refs
-        rot_ref, *refs = refs if rotate else (None, *refs)
-        o_ref, lse_ref, out_ref, out_lse_ref = refs
-    else:
-        o_ref, lse_ref = refs
+    # block's spare warpgroups compute the last program again and write nothing.
     first_at, counts_at = line.table_offsets
     wg = lax.axis_index("wg") if warpgroups > 1 else 0
     flat = lax.axis_index("block") * warpgroups + wg
     program = jnp.minimum(flat, line.programs - 1)
     writes = flat < line.programs
     u0, u1 = table_ref[program], table_ref[program + 1]
-    (ck_smem, cv_smem), dense_smem, *merge_smem = codes  # the history's code buffers, the sink / ring's, the merge's
+    (ck_smem, cv_smem), dense_smem = codes  # the history's code buffers, or the sink / ring's
     q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem = (
         ref.at[wg] for ref in (q_smem, qcol_smem, ck_smem, cv_smem, meta_smem, w_smem, o_smem, lse_smem, red_smem))
     dense_smem = dict(zip(("k_smem", "v_smem", "p_smem", "qd_smem", "lse16_smem"),
                           (ref.at[wg] for ref in dense_smem)))
     if interpret:
         stage_k, stage_v = stage_k.at[wg], stage_v.at[wg]
-        stage_r = stage_r.at[wg] if merge else None
     q_bar, all_tile_bars = q_bar.at[wg], tile_bars
     tile_bar = lambda slot: all_tile_bars.at[wg * buffers + slot]  # this warpgroup's TMA barriers
     n_tiles = _TPB // packed  # score tiles per step; tile t holds slices t * packed + j
@@ -830,46 +642,10 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
         pl.when(owns_dense)(lambda: dense(b, h, table_ref[counts_at + pair] - 1))
         pl.when(t_end > t_begin)(lambda: history(b, h, t_begin, t_end, program - table_ref[first_at + pair]))
 
-    def arrive(i):
-        """Whether this program merges its i-th pair, and that pair."""
-        pair, owns_dense, t_begin, t_end = line.piece(u0, u1, i, jnp)
-        pair = jnp.minimum(pair, line.pairs - 1)  # (a program of one piece: no partials there)
-        stored = jnp.where(writes, owns_dense.astype(jnp.int32) + (t_end > t_begin).astype(jnp.int32), 0)
-        count = table_ref[counts_at + pair]
-        if interpret:
-            return (stored > 0) & (program == table_ref[first_at + pair] + count - 2), pair
-        flags = flag_smem.at[wg, i]
-        flags[0] = stored
-        pl.when(stored > 0)(lambda: _fetch_add(arrivals_ref.at[pair], flags))
-        last = (stored > 0) & (flags[1] + stored == count)
-
-        @pl.when(last)
-        def _():
-            arrivals_ref[pair] = jnp.int32(0)
-
-        return last, pair
-
-    def merge_pairs():
-        """Each pair's partials are merged by the program that stores its last one. Compiled, a
-        program adds the partials it stored to the pair's arrival counter once they are in
-        GMEM, and the one whose addition completes the count merges (and zeroes the counter
-        again: the counters are an input, not aliased to an output, that leaves the kernel as
-        it came). Interpreted (no atomics there; blocks in order, one program each) the pair's
-        last program merges."""
-        plgpu.wait_smem_to_gmem(0)  # this program's partials written, not only read out of shared memory
-        for i in range(2):
-            last, pair = arrive(i)
-            pl.when(last)(lambda: _merge(pair // kv_heads, pair % kv_heads, table_ref[counts_at + pair], o_ref,
-                                         lse_ref, rot_ref, out_ref, out_lse_ref, merge_smem[0].at[wg, 0], stage_r,
-                                         s_max=int(line.tables()[2].max()), g=g, cols=_N // packed, split=split,
-                                         interpret=interpret))
-
     # Unrolled: inside a loop over the pieces the kernel took 80.9 against 58.9 us (H200, B8
     # 32K, where every program has one piece; bench/results/kernels_session11_h200.json run 2).
     piece(0)
     pl.when(line.pieces(u0, u1) > 1)(functools.partial(piece, 1))
-    if merge:
-        merge_pairs()
 
 
 def slices_per_tile(g: int, head_dim: int) -> int:
@@ -1018,7 +794,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
                     hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool = False, target_programs: int | None = None, buffers: int | None = None,
-                    warpgroups: int | None = None, merge: bool = False,
+                    warpgroups: int | None = None,
                     query_rot: jax.Array | None = None, output_rot: jax.Array | None = None,
                     out_dtype=jnp.float32):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
@@ -1040,11 +816,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     H200 the kernel took 203.2 against 220.6 us at 128K and 57.2 against 58.6 us at 32K
     (bench/results/kernels_session9_h200.json run 2). target_programs: the work line is
     chosen for at most about this many programs. buffers: TMA pipeline depth. None: see
-    `schedule`. merge: the kernel merges each pair's partials and rotates them back itself (in
-    the program that stores the pair's last partial, `_merge`; D <= 128, at most
-    `_MERGE_PARTIALS` partials a pair) instead of `decode_finish` doing it in a launch of its
-    own: a candidate, interpret-verified and lowered for sm_90 but not yet compiled or timed on
-    a GPU (`bench/kernels.py` times both at D <= 128), so off by default.
+    `schedule`.
     """
     b, c, hq, d = q.shape
     hkv = sink_k.shape[1]
@@ -1063,6 +835,8 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
                          "(whole TMA tiles; CacheSpec allocates a longer history in 256-token tiles)")
     packed = slices_per_tile(g, d)
     cols = _N // packed  # query columns per slice: g padded
+    q_blocks, qcol, q_dense = start.decode_start(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale,
+                                                 packed=packed, interpret=interpret)
     # The bf16 segments in whole blocks of 64 rows (a copy only where S0 or W is not a multiple
     # of 64; the defaults, 64 and 256, are); no sink: the ring stands in (unread).
     whole = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -x.shape[2] % _ROWS), (0, 0))) if x.shape[2] % _ROWS else x
@@ -1080,16 +854,6 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     warpgroups, buffers, line = schedule(b * hkv, tiles, d, dense_blocks=dense_blocks, warpgroups=warpgroups,
                                          buffers=buffers, target_programs=target_programs)
     partials = line.tables()[2]  # per pair
-    if merge and (d > 128 or partials.max() > _MERGE_PARTIALS):
-        raise ValueError(f"merge=True at D = {d} with up to {partials.max()} partials a pair: the in-kernel "
-                         f"merge holds D <= 128 and at most {_MERGE_PARTIALS} partials a pair")
-    if merge and interpret and warpgroups > 1:
-        raise ValueError(f"merge=True in interpret mode at warpgroups={warpgroups}: interpreted, the pair's last "
-                         "program merges, which needs the others done, so 1 program a block (blocks run in order)")
-    started = start.decode_start(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale, packed=packed,
-                                 arrivals=merge, interpret=interpret)
-    q_blocks, qcol, q_dense = started[:3]
-    rot, split = start.rotation_input(output_rot, hkv, d, "output_rot") if merge else (None, False)
 
     wgs = warpgroups  # every buffer below is per warpgroup
     history_codes = (plgpu.SMEM((wgs, buffers, _ROWS, d), jnp.uint8, transforms=_int8_tiles(d)),
@@ -1099,15 +863,11 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
                    plgpu.SMEM((wgs, _ROWS, 2 * _N), jnp.bfloat16, transforms=_bf16_tiles(2 * _N)),  # [p_hi | p_lo]
                    plgpu.SMEM((wgs, 4 * _N, d), jnp.bfloat16, transforms=_bf16_tiles(d)),  # [q_hi; q_lo]
                    plgpu.SMEM((wgs, 2 * _N), jnp.float32))  # lse
-    # [o_hi | o_lo] of the merge's MMAs, [D, 16] bf16, in the first of 4 (a warpgroup's stride:
-    # 128 D bytes, as the codes' and the dense blocks').
-    merge_tiles = (plgpu.SMEM((wgs, 4, d, 2 * _N), jnp.bfloat16, transforms=_bf16_tiles(2 * _N)),) if merge else ()
     scratch = dict(
-        # The history's loop, then the sink and ring, then (with merge) the merge's operand.
-        # The union overlays the groups as wholes; a warpgroup's dense K / V and merge operand
-        # lie over its own code buffers only because all strides are 128 D bytes (2 buffers:
-        # `schedule` holds several warpgroups to that), so no warpgroup writes another's.
-        codes=plgpu.RefUnion(history_codes, dense_tiles, *merge_tiles),
+        # The history's loop, then the sink and ring. The union overlays the two groups as
+        # wholes; a warpgroup's dense K / V lie over its own code buffers only because both
+        # strides are 128 D bytes (2 buffers: `schedule` holds several warpgroups to that).
+        codes=plgpu.RefUnion(history_codes, dense_tiles),
         q_smem=plgpu.SMEM((wgs, packed, 2 * _N, d), jnp.int8, transforms=_int8_tiles(d)),  # blocks x [hi; lo]
         qcol_smem=plgpu.SMEM((wgs, 2, _ROWS, _N), jnp.float32),
         meta_smem=plgpu.SMEM((wgs, buffers, 4, _TPB, _ROWS), jnp.bfloat16),
@@ -1118,26 +878,15 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         q_bar=plgpu.Barrier(num_arrivals=2, num_barriers=wgs),
         tile_bars=plgpu.Barrier(num_arrivals=_COPIES, num_barriers=wgs * buffers),
         dense_bars=plgpu.Barrier(num_arrivals=1, num_barriers=3 * wgs))  # q; K; V
-    if merge:
-        scratch["flag_smem"] = plgpu.SMEM((wgs, 2, 2), jnp.int32)  # per piece: partials stored, old count
     if interpret:  # A operands staged in shared memory
         scratch["stage_k"] = plgpu.SMEM((wgs, _TPB, _ROWS, d), jnp.int8, transforms=_int8_tiles(d))
         scratch["stage_v"] = plgpu.SMEM((wgs, _TPB, d, _ROWS), jnp.int8, transforms=_int8_tiles(_ROWS))
-        if merge:
-            scratch["stage_r"] = plgpu.SMEM((wgs, 2, _ROWS, d), jnp.bfloat16, transforms=_bf16_tiles(d))
-    # The partials. Merged in the kernel, a pair's rows are whole 128-byte lines (S a multiple
-    # of 4), so that no line a merge loads holds another pair's rows: those may not be written
-    # yet, and a line in this SM's L1 would not see them when they are.
-    slots = -(-partials.max() // 4) * 4 if merge else partials.max()
-    out_type = [jax.ShapeDtypeStruct((b, hkv, slots, d, _N), jnp.float32),
-                jax.ShapeDtypeStruct((b, hkv, slots, _N), jnp.float32)]
-    if merge:  # and the merged o and lse
-        out_type += [jax.ShapeDtypeStruct((b, hkv, g, d), out_dtype), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     kernel = plgpu.kernel(
         functools.partial(_kernel, line=line, hist_tokens=rows * _TPB, head_dim=d,
                           packed=packed, buffers=buffers, sink=sink, window=window, g=g, kv_heads=hkv,
-                          warpgroups=wgs, merge=merge, rotate=rot is not None, split=split, interpret=interpret),
-        out_type=out_type,
+                          warpgroups=wgs, interpret=interpret),
+        out_type=[jax.ShapeDtypeStruct((b, hkv, partials.max(), d, _N), jnp.float32),
+                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32)],
         scratch_types=scratch,
         grid=(-(-line.programs // wgs),),
         grid_names=("block",),
@@ -1150,24 +899,19 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )
     table = jnp.asarray(line.table())
-    extra = (started[3].reshape(-1), *((rot,) if rot is not None else ())) if merge else ()
-    outs = kernel(lengths.astype(jnp.int32), table, q_blocks, qcol, q_dense.reshape(b, hkv, 4 * _N, d), codes_k,
-                  codes_v, *meta, *segments, *extra)
-    if merge:  # the kernel merged and rotated back
-        o, lse = outs[2:]
-    else:
-        # The merge of every (history piece or sink / ring, column block) partial, and the
-        # back-rotation: fused at D <= 128; at D = 256 a fused rotation makes each of
-        # decode_finish's channel blocks merge all 256 channels of every partial, so XLA
-        # rotates there (Gemma-3 B8 32K on the H200, session 8: 0.110 ms so, 0.162 fused;
-        # bench/results/kernels_session8_h200.json).
-        o_t, lse2 = outs
-        fused_rot = output_rot if d <= 128 else None
-        xla_rot = output_rot is not None and fused_rot is None
-        o, lse = decode_finish(o_t, lse2, table, counts_at=line.table_offsets[1], g=g, cols=cols,
-                               output_rot=fused_rot, out_dtype=jnp.float32 if xla_rot else out_dtype,
-                               interpret=interpret)
-        if xla_rot:
-            rot = output_rot if output_rot.ndim == 3 else output_rot.astype(jnp.float32).sum(axis=1)  # hi + lo
-            o = jnp.einsum("bhge,hde->bhgd", o, rot, precision=lax.Precision.HIGHEST).astype(out_dtype)
+    o_t, lse2 = kernel(lengths.astype(jnp.int32), table,
+                       q_blocks, qcol, q_dense.reshape(b, hkv, 4 * _N, d), codes_k,
+                       codes_v, *meta, *segments)
+    # The merge of every (history piece or sink / ring, column block) partial, and the back-rotation:
+    # fused at D <= 128; at D = 256 a fused rotation makes each of decode_finish's channel
+    # blocks merge all 256 channels of every partial, so XLA rotates there (Gemma-3 B8 32K on
+    # the H200, session 8: 0.110 ms so, 0.162 fused; bench/results/kernels_session8_h200.json).
+    fused_rot = output_rot if d <= 128 else None
+    xla_rot = output_rot is not None and fused_rot is None
+    o, lse = decode_finish(o_t, lse2, table, counts_at=line.table_offsets[1], g=g, cols=cols,
+                           output_rot=fused_rot, out_dtype=jnp.float32 if xla_rot else out_dtype,
+                           interpret=interpret)
+    if xla_rot:
+        rot = output_rot if output_rot.ndim == 3 else output_rot.astype(jnp.float32).sum(axis=1)  # hi + lo
+        o = jnp.einsum("bhge,hde->bhgd", o, rot, precision=lax.Precision.HIGHEST).astype(out_dtype)
     return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)
