@@ -7,7 +7,7 @@ partials (its history pieces, and one more for the bf16 sink and ring; `counts` 
 many each has): o^T [D, 8] normalised and
 its log-sum-exp in base 2, column c for query c % cols (column blocks of packed token
 slices; -inf where a partial saw nothing). One program per (batch row, KV head, block of 64
-output channels) merges the partials elementwise in f32 (pass 1: each query's largest lse;
+output channels, 32 without the rotation) merges the partials elementwise in f32 (pass 1: each query's largest lse;
 pass 2: the weighted sum of the [D, 8] partials, whole 32-byte rows, several per step; an
 FMA dot over all 16 query rows took half of the kernel's instructions on the H200) and,
 given the output rotation, rotates its block of the result back (rows of the rotation times
@@ -33,7 +33,10 @@ from jax.experimental.pallas import triton as plgpu
 from .decode_start import bf16_parts, bf16_product, rotation_input
 
 _LN2 = math.log(2.0)
-_D_BLOCK = 64  # output channels per program
+# Output channels per program: 64 with the back-rotation (each program then merges all D), 32
+# when it only merges (H200, B8 H32/8 D128 128K, v_folded params: 3.58-3.63 us a call at 32,
+# 4.91-4.96 at 64, 4.02-4.08 at 128; bench/results/kernels_session21_ab_h200.json run 1).
+_D_BLOCK, _D_BLOCK_MERGE = 64, 32
 _Q = 16  # query columns of every tile: the partials' 8, padded to the least dot N
 _CHUNK_ELEMENTS = 8192  # f32 elements of partials merged per step ([chunk, D_merged, 8])
 
@@ -42,12 +45,16 @@ def _pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
+def _channel_block(d: int, rotate: bool) -> int:
+    return min(d, _D_BLOCK if rotate else _D_BLOCK_MERGE)
+
+
 def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: int, rotate: bool, split: bool):
     rot_ref, o_ref, lse_out_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
     splits, d = ot_ref.shape[2], ot_ref.shape[3]
     used = counts_ref[counts_at + b * pl.num_programs(1) + h]  # partials 0 .. used - 1 hold data
-    db = min(d, _D_BLOCK)
+    db = _channel_block(d, rotate)
     out_cols = pl.program_id(2) * db + jnp.arange(db)  # this program's output channels
     mcol = jnp.arange(d) if rotate else out_cols  # the channels it merges
     # Query column i holds query min(i, g - 1): columns past g repeat query g - 1, so that the
@@ -124,7 +131,7 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, o
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), out_dtype), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     return pl.pallas_call(
         functools.partial(_kernel, g=g, cols=cols, counts_at=counts_at, rotate=rotate, split=split),
-        grid=(b, hkv, d // min(d, _D_BLOCK)),
+        grid=(b, hkv, d // _channel_block(d, rotate)),
         in_specs=[full(x) for x in arrays],
         out_specs=[full(o) for o in out_shape],
         out_shape=out_shape,
