@@ -57,12 +57,15 @@ def generate(
     dtype: str = typer.Option("float32", help="weights and activations: float32 | bfloat16"),
     random_weights: bool = typer.Option(False, help="the named architecture with random weights"),
     implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
+    fold_values: bool = typer.Option(True, help="fold R_V into the output projections (OSCAR-cache layers): "
+                                                "attention skips its back-rotation"),
 ):
     """Generate text and report tokens/s, KV bytes and bits/element."""
     import jax
     import jax.numpy as jnp
 
     from oscar_jax.models import generate as gen, kv_policy, registry
+    from oscar_jax.models.decoder import fold_values as fold
 
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"--dtype {dtype!r}: expected float32 or bfloat16")
@@ -78,6 +81,8 @@ def generate(
                   else kv_policy.make_policy(kv, implementation=implementation))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    if fold_values:
+        decoder, policy = fold(decoder, policy)
     if tokenizer is None:  # random weights without a tokenizer: UTF-8 bytes as ids
         ids = [b % decoder.cfg.vocab_size for b in prompt.encode()]
     else:
@@ -90,7 +95,8 @@ def generate(
     table.add_column("")
     table.add_column("value", justify="right")
     for name, value in (
-            ("device", jax.devices()[0].device_kind), ("jax", jax.__version__), ("model", str(model)), ("kv", policy.name), ("prompt tokens", str(len(ids))),
+            ("device", jax.devices()[0].device_kind), ("jax", jax.__version__), ("model", str(model)), ("kv", policy.name),
+            ("R_V folded into wo", str(decoder.values_folded)), ("prompt tokens", str(len(ids))),
             ("new tokens", str(len(new))), ("decode tokens/s", f"{out.decode_tokens_per_s:.1f}"),
             ("prefill s", f"{out.seconds['prefill']:.2f}"), ("compile s", f"{out.seconds['compile']:.1f}"),
             ("KV bytes (allocated)", f"{kv_policy.nbytes(out.kv):,}"),

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from oscar_jax import calibrate
 from oscar_jax.models import kv_policy
 from oscar_jax.models.config import LayerType, ModelConfig
 
@@ -141,10 +142,12 @@ class Decoder(nnx.Module):
     """Token ids -> hidden states -> logits, with the KV cache passed explicitly.
 
     embed [V, H]; layers: `LayerStack`; final_norm [H]; lm_head [H, V] or None (tied).
+    values_folded: the full-attention layers' output projections hold R_Vᵀ (`fold_values`).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
+        self.values_folded = False
         self.embed = nnx.Param((0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(dtype))
         self.layers = LayerStack(cfg, rngs=rngs, dtype=dtype)
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
@@ -193,6 +196,7 @@ class Decoder(nnx.Module):
             raise ValueError(f"mode={mode!r} needs a KVState (kv=...)")
         if kv_dtype is not None and mode != "forward":
             raise ValueError(f"kv_dtype={kv_dtype!r} applies to mode='forward' only, not {mode!r}")
+        self._check_output_basis(mode, kv)
         if lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
         x = self.embed_tokens(tokens)
@@ -231,6 +235,18 @@ class Decoder(nnx.Module):
             new_kv = dataclasses.replace(kv, groups=groups, lengths=new_len)
         return x, new_kv, captured
 
+    def _check_output_basis(self, mode: Mode, kv) -> None:
+        """A folded decoder (`fold_values`) runs with a policy that returns its full-attention
+        outputs in the R_V basis, an unfolded one with any other: the two must agree."""
+        group = None if kv is None else kv.groups.get(kv_policy.FULL)
+        rotated = isinstance(group, kv_policy.OscarGroup) and group.params.v_folded
+        if self.values_folded and mode == "forward":
+            raise ValueError("mode='forward' on a decoder with R_V folded into its output projections "
+                             "(fold_values): it runs prefill and step, with its folded OSCAR cache")
+        if kv is not None and rotated != self.values_folded:
+            raise ValueError(f"kv: the full-attention layers' params have v_folded={rotated}, the decoder "
+                             f"values_folded={self.values_folded}: fold both or neither (fold_values)")
+
     def _layer(self, w, kind: LayerType, x, positions, inv_freq, mode: Mode, layer_kv, lengths,
                kv_dtype=None, exact_prefix: int = 0):
         """One decoder layer: x [B, T, H] -> (x, layer_kv, (q, k, v))."""
@@ -255,8 +271,8 @@ class Decoder(nnx.Module):
             o = attend(*(a.astype(kv_dtype).astype(a.dtype) for a in (k, v)))
             if exact_prefix:
                 o = jnp.where((positions < exact_prefix)[:, :, None, None], attend(k, v), o)
-        else:
-            o = attend(k, v)
+        else:  # prefill: in the basis of the layer's attention outputs (`fold_values`)
+            o = attend(k, kv_policy.values_in_output_basis(layer_kv, v))
             if mode == "prefill":
                 layer_kv = kv_policy.write_prompt(layer_kv, k, v, lengths)
         o = mm(o.reshape(b, t, hq * d).astype(x.dtype), w["wo"])
@@ -284,6 +300,31 @@ def forward_logits(model: Decoder, tokens: jax.Array, lengths: jax.Array | None 
     hidden, _, _ = model(tokens, positions, mode="forward", lengths=lengths, kv_dtype=kv_dtype,
                          exact_prefix=exact_prefix)
     return model.logits(hidden)
+
+
+def fold_values(model: Decoder, policy) -> tuple[Decoder, object]:
+    """(model, policy) -> the pair serving with R_Vᵀ folded into the full-attention layers'
+    output projections (DESIGN §1.2): attention then returns o_rot = o R_V and skips its
+    back-rotation (on the GPU kernel path `decode_finish` only merges). A policy without
+    OSCAR-cache layers (not a `kv_policy.QuantPolicy`, or a model with no full-attention
+    layer) comes back unchanged, as does a pair already folded.
+
+    The model's copy (its other arrays shared) has each full-attention layer's wo folded by
+    `calibrate.fold_output_projection` with the policy's `LayerParams.output_rot` of that layer,
+    and runs prefill and step with the folded policy only: in prefill those layers attend
+    over values rotated by R_V (`kv_policy.values_in_output_basis`).
+    """
+    cfg = model.cfg
+    if not isinstance(policy, kv_policy.QuantPolicy) or policy.values_folded or not cfg.count(kv_policy.FULL):
+        return model, policy
+    policy = dataclasses.replace(policy, values_folded=True)
+    full = np.array([i for i, kind in enumerate(cfg.layer_types) if kind == kv_policy.FULL])
+    folded = nnx.clone(model)  # new variables over the same arrays
+    wo = folded.layers.wo[...]  # [L, Hq D, H]
+    fold = jax.vmap(calibrate.fold_output_projection)  # over the full-attention layers
+    folded.layers.wo[...] = wo.at[full].set(fold(wo[full], policy.params(cfg).output_rot))
+    folded.values_folded = True
+    return folded, policy
 
 
 def abstract_decoder(cfg: ModelConfig, dtype=jnp.float32) -> Decoder:

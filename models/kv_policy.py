@@ -268,6 +268,17 @@ def _dense_append_attend(layer, q, k, v, softmax_scale, window):
     return o.reshape(b, c, hq, d).astype(q.dtype), layer
 
 
+def values_in_output_basis(layer, v: jax.Array) -> jax.Array:
+    """v [B, T, Hkv, D] (model basis) in the basis the layer's attention outputs take: rotated
+    by R_V (ṽ = v R_V, as the cache stores it) where the layer's `LayerParams.v_folded` leaves
+    o = Σ p ṽ in the R_V basis (`decoder.fold_values`), else v itself. Full-precision attention
+    over the returned values (prefill) then gives outputs in the layer's output basis."""
+    if not (isinstance(layer, OscarGroup) and layer.params.v_folded):
+        return v
+    return jnp.einsum("bthd,hde->bthe", v.astype(jnp.float32), layer.params.rot_v,
+                      precision=jax.lax.Precision.HIGHEST).astype(v.dtype)
+
+
 def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_scale: float):
     """Append C new tokens to one layer, then attend their queries (DESIGN §1.3).
 
@@ -343,6 +354,8 @@ class QuantPolicy:
     rotation: "identity", "hadamard" or "artifact" (then `layer_params` holds the
     calibrated rotations and clips, [L_full, ...]). sink/window: bf16 segments;
     window=None means "one extend chunk wide" (the smallest the append contract allows).
+    values_folded: the params say `v_folded` (attention returns outputs in the R_V basis),
+    for a decoder whose output projections hold R_Vᵀ (`decoder.fold_values` makes the pair).
     """
 
     name: str
@@ -354,6 +367,7 @@ class QuantPolicy:
     clip_v: float = 1.0
     layer_params: oc.LayerParams | None = dataclasses.field(default=None, compare=False)
     implementation: str = "auto"
+    values_folded: bool = False
 
     def __post_init__(self):
         if self.rotation not in ("identity", "hadamard", "artifact"):
@@ -367,9 +381,10 @@ class QuantPolicy:
             if self.layer_params.rot_k.shape != (n, h, d, d):
                 raise ValueError(f"layer_params.rot_k.shape={self.layer_params.rot_k.shape}: expected "
                                  f"[L_full={n}, Hkv={h}, D={d}, D={d}] for this model")
-            return self.layer_params
+            return dataclasses.replace(self.layer_params, v_folded=self.values_folded)
         rot = rotation.identity(d) if self.rotation == "identity" else rotation.hadamard(d)
-        return oc.LayerParams.create(rot, rot, self.clip_k, self.clip_v, num_layers=n, kv_heads=h)
+        return oc.LayerParams.create(rot, rot, self.clip_k, self.clip_v, num_layers=n, kv_heads=h,
+                                     v_folded=self.values_folded)
 
     def init(self, cfg, batch: int, max_len: int, chunk: int = 1) -> KVState:
         window = self.window or chunk

@@ -21,7 +21,8 @@ from safetensors.numpy import load_file, save_file
 from oscar_jax.models import generate as gen
 from oscar_jax.models import kv_policy, registry
 from oscar_jax.models.config import ModelConfig
-from oscar_jax.models.decoder import Decoder, forward_logits
+from oscar_jax import cache as oc
+from oscar_jax.models.decoder import Decoder, fold_values, forward_logits
 from oscar_jax.models.safetensors_loader import load_hf
 
 HF_TINY = Path(__file__).parent / "fixtures" / "hf_tiny"
@@ -133,6 +134,48 @@ def test_sliding_window_cache_paths_equal_full_forward(gemma_like, policy):
     print(f"\ntiny gemma-like, {policy}: max|logit diff| vs full forward = {diff:.3g}")
     # int8: bf16 ring/sink/recent and 8-bit history (per-token, G = D = 32).
     assert diff <= (2e-4 if policy == "fp32" else 5e-2)
+
+
+@pytest.mark.parametrize("dual", [False, True])
+def test_folded_values_decode_like_the_unfolded_pair(dual):
+    """`fold_values` (R_V's transpose in the full-attention layers' wo, v_folded params) against
+    the unfolded pair, 2 KV heads of 2 queries, per-layer and per-head rotations (dual: R_V not
+    orthogonal, outputs back by its dual): prefill logits to f32 rounding; decode steps within
+    2e-3 (a token's k, v differ by rounding there, which can move one of its 2-bit codes or
+    bf16 values: ~1e-4 seen); a fold with M for Mᵀ or a wrong head is off by ~0.5."""
+    model = Decoder(dataclasses.replace(tiny_gemma(), num_kv_heads=2), rngs=nnx.Rngs(3))
+    cfg, rng = model.cfg, np.random.default_rng(dual)
+    n, h, d = cfg.count("full_attention"), cfg.num_kv_heads, cfg.head_dim
+    ortho = lambda: np.linalg.qr(rng.standard_normal((d, d)))[0]
+    rot_k = np.stack([[ortho() for _ in range(h)] for _ in range(n)])
+    rot_v = np.stack([[ortho() @ (np.eye(d) + (0.2 * rng.standard_normal((d, d)) if dual else 0))
+                       for _ in range(h)] for _ in range(n)])
+    params = oc.LayerParams.create(rot_k, rot_v, 0.96, 0.92, num_layers=n, kv_heads=h,
+                                   dual_v=np.linalg.inv(rot_v).transpose(0, 1, 3, 2) if dual else None)
+    policy = kv_policy.oscar_policy(params, sink=2, window=4, implementation="xla")
+    folded, folded_policy = fold_values(model, policy)
+    assert folded.values_folded and folded_policy.values_folded and not model.values_folded
+    assert fold_values(folded, folded_policy) == (folded, folded_policy)
+    lengths, steps = np.array([13, 6, 10]), 5
+    seqs = [rng.integers(3, 97, k + steps) for k in lengths]
+    runs = []
+    for m, pol in ((model, policy), (folded, folded_policy)):
+        kv = gen.init_state(m, pol, 3, 40)
+        logits, kv = gen.prefill(m, kv, gen.pad_prompts([s[:k] for s, k in zip(seqs, lengths)])[0], lengths)
+        got = [np.asarray(logits)]
+        for t in range(steps):
+            _, logits, kv = gen.decode_step(m, kv, jnp.asarray([s[k + t] for s, k in zip(seqs, lengths)]),
+                                            jax.random.key(0))
+            got.append(np.asarray(logits))
+        runs.append(np.stack(got))
+    diff = np.abs(runs[0] - runs[1]).max(axis=(1, 2))
+    print(f"\nfolded against unfolded, max|logit diff| per call (prefill, then decode): {np.round(diff, 7)}")
+    assert diff[0] <= 1e-5 and diff.max() <= 2e-3
+    with pytest.raises(ValueError, match="mode='forward'"):
+        forward(folded, jnp.asarray(seqs[0])[None])
+    for m, pol in ((folded, policy), (model, folded_policy)):
+        with pytest.raises(ValueError, match="fold both or neither"):
+            gen.prefill(m, gen.init_state(m, pol, 1, 40), np.asarray(seqs[0])[None, :6], np.array([6]))
 
 
 def test_decode_compiles_once_for_64_tokens(gemma_like):
@@ -278,6 +321,7 @@ def test_cli_generate_on_an_hf_directory():
                                       "--kv", "int8", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output
     assert "bits/element" in result.output and "tokens/s" in result.output
+    assert "R_V folded into wo" in result.output
 
 
 def test_sharded_kv_state_decodes_like_one_device(gemma_like):
