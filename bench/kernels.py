@@ -166,11 +166,13 @@ def unrolled(op):
 
 def empty_layer(batch: int, seq: int, kv_heads: int, d: int):
     """An empty OSCAR cache layer for `seq` tokens (S0 = 64, W = 256, 2-bit, G = D) and its
-    LayerParams (one random rotation for K and V). Room for seq + 1 tokens (CacheSpec rounds
-    the history up to whole 256-token tiles)."""
+    LayerParams (one random rotation for K and V; v_folded, as `oscar generate` serves them:
+    R_V in the output projection, so the call returns o_rot). Room for seq + 1 tokens
+    (CacheSpec rounds the history up to whole 256-token tiles)."""
     spec = CacheSpec(1, batch, kv_heads, d, seq + 1, 64, 256, QuantConfig(2))
     rot = jnp.asarray(np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0], jnp.float32)
-    params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=kv_heads).layer(0)
+    params = cache_lib.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=kv_heads,
+                                          v_folded=True).layer(0)
     return cache_lib.OscarCache.init(spec).layer(0), params
 
 
@@ -222,6 +224,7 @@ def bench_shape(shape: Shape, reps: int, blocks=None, baselines: bool = True, ro
     # auto: what attend(..., implementation="auto") runs for this decode call on this GPU.
     row.update({"shape": dataclasses.asdict(shape), "bits_per_element": bits_per_element(cache.spec, shape.seq),
                 "oscar_bytes": oscar_nbytes, "bf16_bytes": bf16_nbytes, "block_sizes": dataclasses.asdict(used),
+                "v_folded": params.v_folded,
                 "auto": attention.resolve("auto", cache.spec, 1, shape.q_heads // shape.kv_heads, backend="gpu")})
 
     def kernel_time(run, prefix):

@@ -88,9 +88,10 @@ def instrumented() -> types.ModuleType:
     return mod
 
 
-def summary(stamps: np.ndarray, line) -> dict:
+def summary(stamps: np.ndarray, line, warpgroups: int = 3) -> dict:
     """stamps int32 [slots, 16] of one call, line its WorkLine -> end times (us from the first
-    start) by kind of program, and per SM."""
+    start) by kind of program (and by the kind of its block: program k is warpgroup
+    k % warpgroups of block k // warpgroups), and per SM."""
     st = stamps[:line.programs].astype(np.int64)
     t0 = st[:, 0].min()
     start, end = (st[:, 0] - t0) / 1e3, (st[:, 6] - t0) / 1e3
@@ -98,8 +99,11 @@ def summary(stamps: np.ndarray, line) -> dict:
     units, two = u1 - u0, np.asarray(line.pieces(u0, u1)) > 1
     dense = line.piece(u0, u1, 0)[1] | line.piece(u0, u1, 1)[1]  # a sink and ring in either piece
     pct = lambda x: {p: round(float(np.percentile(x, p)), 1) for p in (0, 10, 50, 90, 100)}
+    block_two = np.repeat(np.add.reduceat(two, np.arange(0, line.programs, warpgroups)) > 0, warpgroups)[:line.programs]
     kinds = {}
-    for name, m in (("one piece", ~two), ("two pieces", two), ("sink and ring", dense), ("history only", ~dense)):
+    for name, m in (("one piece", ~two), ("two pieces", two), ("sink and ring", dense), ("history only", ~dense),
+                    ("one piece, a block with a two-piece program", ~two & block_two),
+                    ("one piece, a block of one-piece programs", ~two & ~block_two)):
         if m.any():
             kinds[name] = {"programs": int(m.sum()), "mean_units": round(float(units[m].mean()), 1),
                            "end_us": pct(end[m]), "us_per_unit": round(float(((end - start)[m] / units[m]).mean()), 3)}
@@ -168,9 +172,9 @@ def saved_line(saved: dict):
 
 
 def model_lines(path: str) -> dict:
-    """A saved timeline -> per call its fit, and the modelled kernel end of the lines (of its
-    pairs and tiles) of 83-86 units a program, switch costs 4-9 and sinks and rings of 3-6
-    units that need no more programs than the measured one."""
+    """A saved timeline -> per call its fit and its `summary`, and the modelled kernel end of
+    the lines (of its pairs and tiles) of 83-86 units a program, switch costs 4-9 and sinks
+    and rings of 3-6 units that need no more programs than the measured one."""
     saved = json.load(open(path))
     line = saved_line(saved)
     models = [fit(np.asarray(s, np.int32), line) for s in saved["stamps"]]
@@ -185,6 +189,7 @@ def model_lines(path: str) -> dict:
             out["lines"].append({"per_program": per_program, "switch": switch, "dense": dense_units,
                                  "programs": cut.programs, "end_us": round(float(np.mean(ends)), 2)})
     out["lines"].sort(key=lambda r: r["end_us"])
+    out["summaries"] = [summary(np.asarray(s, np.int32), line) for s in saved["stamps"]]
     return out
 
 
@@ -197,7 +202,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.model:
         res = model_lines(args.model)
-        print(json.dumps({"fits": res["fits"], "measured line": res["measured_line"], "best lines": res["lines"][:5]}))
+        print(json.dumps({"fits": res["fits"], "measured line": res["measured_line"], "best lines": res["lines"][:5],
+                          "summaries": res["summaries"]}))
         if args.out:
             json.dump(res, open(args.out, "w"), indent=1)
         return
@@ -210,7 +216,8 @@ def main() -> None:
         qq, c.sink_k, c.sink_v, c.hist_codes_k, c.hist_codes_v, c.hist_lo_k, c.hist_scale_k, c.hist_lo_v,
         c.hist_scale_v, c.recent_k, c.recent_v, c.lengths, sink=spec.sink, window=spec.window,
         bits=spec.quant.bits, levels=spec.quant.levels, softmax_scale=spec.head_dim ** -0.5,
-        query_rot=params.query_rot_parts, out_dtype=qq.dtype, output_rot=params.output_rot_parts))
+        query_rot=params.query_rot_parts, out_dtype=qq.dtype,
+        output_rot=None if params.v_folded else params.output_rot_parts))
     runs = [np.asarray(call(q, cache)[2]) for _ in range(args.runs + 1)][1:]  # the first one warms up
     line = timed.last_line  # the call's work line, set when it was traced
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "seq": args.seq,

@@ -877,7 +877,8 @@ def test_kernels_table_of_a_cut_off_run(tmp_path):
 def test_timeline_patch_applies_and_summarises(timeline):
     """bench/timeline.py: its stamps patch still applies (each replaced text once) to
     mixed_attention_mgpu.py, and its summary of synthetic stamps (program k ends at k + 1 us,
-    two programs per SM) gives the end times and each SM's idle time before the end, and the
+    two programs per SM) gives the end times and each SM's idle time before the end, the
+    one-piece programs by the kind of their block, and the
     per-tile fit of the pieces of two-piece programs."""
     assert callable(timeline.instrumented().mixed_attention)
     line = mixed_attention_mgpu.WorkLine.cut(4, 3, 1, 2)
@@ -891,6 +892,18 @@ def test_timeline_patch_applies_and_summarises(timeline):
     last = ends.reshape(-1, 2).max(axis=1) if n % 2 == 0 else np.append(ends[:-1].reshape(-1, 2).max(axis=1), ends[-1])
     assert out["programs"] == n and out["end_us"][100] == n and out["end_us"][0] == 1.0
     assert out["sms"] == len(last) and out["mean_sm_idle_before_end_us"] == round(float(n - last.mean()), 1)
+    # One-piece programs by block (3 programs a block): with a two-piece program in it or not.
+    line = mixed_attention_mgpu.WorkLine.cut(6, 10, 1, 4)
+    n = line.programs
+    stamps = np.zeros((n, 16), np.int32)
+    stamps[:, 6] = 1000 * (np.arange(n) + 1)
+    kinds = timeline.summary(stamps, line)["kinds"]
+    two = [(u0 // line.unit + 1) * line.unit < u1 for u0, u1 in zip(line.bounds[:-1], line.bounds[1:])]
+    mixed = [any(two[k - k % 3:k - k % 3 + 3]) for k in range(n)]
+    for name, want in (("one piece, a block with a two-piece program", True),
+                       ("one piece, a block of one-piece programs", False)):
+        ks = [k for k in range(n) if not two[k] and mixed[k] == want]
+        assert ks and kinds[name]["programs"] == len(ks) and kinds[name]["end_us"][100] == ks[-1] + 1
     # Two-piece programs whose pieces take 3 + 2 us a tile and 5 + 2.5 us a tile: the fit
     # gives them back.
     line = mixed_attention_mgpu.WorkLine.cut(8, 10, 1, 7)
