@@ -51,7 +51,8 @@ _PATCH = [
      "                  jax.ShapeDtypeStruct((-(-line.programs // wgs) * wgs, 16), jnp.int32)],"),
     ("    o_t, lse2 = kernel(", "    o_t, lse2, stamps = kernel("),
     ("    partials = line.tables()[2]  # per pair\n",
-     "    partials = line.tables()[2]  # per pair\n    globals()['last_line'] = line  # (for the summary)\n"),
+     "    partials = line.tables()[2]  # per pair\n"
+     "    globals()['last_line'], globals()['last_warpgroups'] = line, warpgroups  # (for the summary)\n"),
     ("    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)",
      "    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq), stamps"),
 ]
@@ -189,7 +190,7 @@ def model_lines(path: str) -> dict:
             out["lines"].append({"per_program": per_program, "switch": switch, "dense": dense_units,
                                  "programs": cut.programs, "end_us": round(float(np.mean(ends)), 2)})
     out["lines"].sort(key=lambda r: r["end_us"])
-    out["summaries"] = [summary(np.asarray(s, np.int32), line) for s in saved["stamps"]]
+    out["summaries"] = [summary(np.asarray(s, np.int32), line, saved.get("warpgroups", 3)) for s in saved["stamps"]]
     return out
 
 
@@ -219,10 +220,11 @@ def main() -> None:
         query_rot=params.query_rot_parts, out_dtype=qq.dtype,
         output_rot=None if params.v_folded else params.output_rot_parts))
     runs = [np.asarray(call(q, cache)[2]) for _ in range(args.runs + 1)][1:]  # the first one warms up
-    line = timed.last_line  # the call's work line, set when it was traced
+    line, wgs = timed.last_line, timed.last_warpgroups  # the call's work line and block, set when traced
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "seq": args.seq,
            "command": "python bench/timeline.py " + " ".join(sys.argv[1:]),
-           "summaries": [summary(r, line) for r in runs], "bounds": list(map(int, line.bounds)),
+           "summaries": [summary(r, line, wgs) for r in runs], "bounds": list(map(int, line.bounds)),
+           "warpgroups": wgs,
            "line": {"pairs": line.pairs, "tiles": line.tiles, "dense": line.dense},
            "stamps": [r.tolist() for r in runs]}
     print(json.dumps(res["summaries"][-1], indent=1))

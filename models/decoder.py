@@ -13,6 +13,7 @@ effective multiplier (Gemma's `1 + w` already added).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Literal
 
 import jax
@@ -142,12 +143,13 @@ class Decoder(nnx.Module):
     """Token ids -> hidden states -> logits, with the KV cache passed explicitly.
 
     embed [V, H]; layers: `LayerStack`; final_norm [H]; lm_head [H, V] or None (tied).
-    values_folded: the full-attention layers' output projections hold R_Vᵀ (`fold_values`).
+    values_folded: the full-attention layers' output projections hold R_Vᵀ (`fold_values`; the
+    fingerprint of that rotation in folded_rotation).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
-        self.values_folded = False
+        self.values_folded, self.folded_rotation = False, ""
         self.embed = nnx.Param((0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(dtype))
         self.layers = LayerStack(cfg, rngs=rngs, dtype=dtype)
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
@@ -307,7 +309,8 @@ def fold_values(model: Decoder, policy) -> tuple[Decoder, object]:
     output projections (DESIGN §1.2): attention then returns o_rot = o R_V and skips its
     back-rotation (on the GPU kernel path `decode_finish` only merges). A policy without
     OSCAR-cache layers (not a `kv_policy.QuantPolicy`, or a model with no full-attention
-    layer) comes back unchanged, as does a pair already folded.
+    layer) comes back unchanged, as does a pair already folded; a pair folded on one side only
+    is refused, and so (for a model that is not float32) is a non-orthogonal R_V.
 
     The model's copy (its other arrays shared) has each full-attention layer's wo folded by
     `calibrate.fold_output_projection` with the policy's `LayerParams.output_rot` of that layer,
@@ -315,16 +318,33 @@ def fold_values(model: Decoder, policy) -> tuple[Decoder, object]:
     over values rotated by R_V (`kv_policy.values_in_output_basis`).
     """
     cfg = model.cfg
-    if not isinstance(policy, kv_policy.QuantPolicy) or policy.values_folded or not cfg.count(kv_policy.FULL):
+    policy_folded = getattr(policy, "values_folded", False)
+    if model.values_folded or policy_folded:
+        if model.values_folded and policy_folded:
+            return model, policy
+        raise ValueError(f"fold_values: model values_folded={model.values_folded}, policy values_folded="
+                         f"{policy_folded}: expected an unfolded pair (or a folded one, returned as it is)")
+    if not isinstance(policy, kv_policy.QuantPolicy) or not cfg.count(kv_policy.FULL):
         return model, policy
     policy = dataclasses.replace(policy, values_folded=True)
+    params = policy.params(cfg)
+    wo = model.layers.wo[...]  # [L, Hq D, H]
+    if params.dual_v is not None and wo.dtype != jnp.float32:
+        raise ValueError(f"fold_values: the policy's R_V is not orthogonal and wo is {wo.dtype}: attention's "
+                         f"{wo.dtype} o_rot times a wo holding R_V^-1 would magnify its rounding; fold float32 "
+                         "models only (or serve unfolded)")
     full = np.array([i for i, kind in enumerate(cfg.layer_types) if kind == kv_policy.FULL])
     folded = nnx.clone(model)  # new variables over the same arrays
-    wo = folded.layers.wo[...]  # [L, Hq D, H]
     fold = jax.vmap(calibrate.fold_output_projection)  # over the full-attention layers
-    folded.layers.wo[...] = wo.at[full].set(fold(wo[full], policy.params(cfg).output_rot))
-    folded.values_folded = True
+    folded.layers.wo[...] = wo.at[full].set(fold(wo[full], params.output_rot))
+    folded.values_folded, folded.folded_rotation = True, rotation_digest(params)
     return folded, policy
+
+
+def rotation_digest(params) -> str:
+    """A fingerprint of `LayerParams.output_rot` (host side): what `fold_values` folded, which
+    `generate.init_state` compares with the policy it is given."""
+    return hashlib.sha256(np.asarray(params.output_rot, np.float32).tobytes()).hexdigest()[:16]
 
 
 def abstract_decoder(cfg: ModelConfig, dtype=jnp.float32) -> Decoder:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax.models import kv_policy
-from oscar_jax.models.decoder import Decoder
+from oscar_jax.models.decoder import Decoder, rotation_digest
 
 NO_TOKEN = -1  # filler after a sequence stopped
 
@@ -63,6 +63,12 @@ def init_state(model: Decoder, policy, batch: int, max_len: int, chunk: int = 1)
     with extend chunks of up to `chunk` tokens."""
     if batch < 1 or max_len < 1 or chunk < 1:
         raise ValueError(f"batch={batch}, max_len={max_len}, chunk={chunk}: expected positive ints")
+    policy_folded = getattr(policy, "values_folded", False)
+    if policy_folded != model.values_folded or (
+            policy_folded and rotation_digest(policy.params(model.cfg)) != model.folded_rotation):
+        raise ValueError(f"policy {policy.name!r} (values_folded={policy_folded}) and a model with "
+                         f"values_folded={model.values_folded}: a folded model serves with the policy that "
+                         "decoder.fold_values returned with it (the R_V in its output projections) only")
     return policy.init(model.cfg, batch, max_len, chunk)
 
 

@@ -506,7 +506,8 @@ def test_work_line_covers_every_unit_once(pairs, tiles, dense, data):
 
 
 # (D, g, cols as slices_per_tile gives, partials, rotation: None, "f32" or its bf16 "parts")
-FINISH_CASES = [(128, 3, 4, 5, "parts"), (256, 4, 8, 19, None), (64, 2, 2, 6, "f32"), (128, 4, 4, 8, None)]
+FINISH_CASES = [(128, 3, 4, 5, "parts"), (256, 4, 8, 19, None), (64, 2, 2, 6, "f32"), (128, 4, 4, 8, None),
+                (64, 1, 2, 3, None)]
 
 
 @pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)

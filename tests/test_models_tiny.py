@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -142,7 +143,8 @@ def test_folded_values_decode_like_the_unfolded_pair(dual):
     the unfolded pair, 2 KV heads of 2 queries, per-layer and per-head rotations (dual: R_V not
     orthogonal, outputs back by its dual): prefill logits to f32 rounding; decode steps within
     2e-3 (a token's k, v differ by rounding there, which can move one of its 2-bit codes or
-    bf16 values: ~1e-4 seen); a fold with M for Mᵀ or a wrong head is off by ~0.5."""
+    bf16 values: ~1e-4 seen); a fold with M for Mᵀ or a wrong head is off by ~0.5. Pairs folded
+    on one side only, or with another R_V, are refused."""
     model = Decoder(dataclasses.replace(tiny_gemma(), num_kv_heads=2), rngs=nnx.Rngs(3))
     cfg, rng = model.cfg, np.random.default_rng(dual)
     n, h, d = cfg.count("full_attention"), cfg.num_kv_heads, cfg.head_dim
@@ -173,9 +175,18 @@ def test_folded_values_decode_like_the_unfolded_pair(dual):
     assert diff[0] <= 1e-5 and diff.max() <= 2e-3
     with pytest.raises(ValueError, match="mode='forward'"):
         forward(folded, jnp.asarray(seqs[0])[None])
+    other = dataclasses.replace(kv_policy.make_policy("quarot", implementation="xla"), values_folded=True)
+    for m, pol in ((folded, policy), (model, folded_policy), (folded, other)):  # other: another R_V
+        with pytest.raises(ValueError, match="the policy that decoder.fold_values returned"):
+            gen.init_state(m, pol, 1, 40)
     for m, pol in ((folded, policy), (model, folded_policy)):
-        with pytest.raises(ValueError, match="fold both or neither"):
-            gen.prefill(m, gen.init_state(m, pol, 1, 40), np.asarray(seqs[0])[None, :6], np.array([6]))
+        with pytest.raises(ValueError, match="fold both or neither"):  # a state made without init_state
+            gen.prefill(m, pol.init(m.cfg, 1, 40), np.asarray(seqs[0])[None, :6], np.array([6]))
+        with pytest.raises(ValueError, match="expected an unfolded pair"):  # folded on one side only
+            fold_values(m, pol)
+    if dual:  # bf16 o_rot through a wo holding R_V^-1: refused
+        with pytest.raises(ValueError, match="not orthogonal"):
+            fold_values(Decoder(model.cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), policy)
 
 
 def test_decode_compiles_once_for_64_tokens(gemma_like):
@@ -321,7 +332,7 @@ def test_cli_generate_on_an_hf_directory():
                                       "--kv", "int8", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output
     assert "bits/element" in result.output and "tokens/s" in result.output
-    assert "R_V folded into wo" in result.output
+    assert re.search(r"R_V folded into wo\W+True", result.output)
 
 
 def test_sharded_kv_state_decodes_like_one_device(gemma_like):
