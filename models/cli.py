@@ -82,7 +82,10 @@ def generate(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     if fold_values:
-        decoder, policy = fold(decoder, policy)
+        try:
+            decoder, policy = fold(decoder, policy)
+        except ValueError as e:
+            raise typer.BadParameter(f"{e} (--no-fold-values serves it unfolded)") from None
     if tokenizer is None:  # random weights without a tokenizer: UTF-8 bytes as ids
         ids = [b % decoder.cfg.vocab_size for b in prompt.encode()]
     else:
