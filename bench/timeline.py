@@ -100,7 +100,7 @@ def summary(stamps: np.ndarray, line, warpgroups: int = 3) -> dict:
     units, two = u1 - u0, np.asarray(line.pieces(u0, u1)) > 1
     dense = line.piece(u0, u1, 0)[1] | line.piece(u0, u1, 1)[1]  # a sink and ring in either piece
     pct = lambda x: {p: round(float(np.percentile(x, p)), 1) for p in (0, 10, 50, 90, 100)}
-    block_two = np.repeat(np.add.reduceat(two, np.arange(0, line.programs, warpgroups)) > 0, warpgroups)[:line.programs]
+    block_two = _in_a_block_with_two_pieces(line, warpgroups)
     kinds = {}
     for name, m in (("one piece", ~two), ("two pieces", two), ("sink and ring", dense), ("history only", ~dense),
                     ("one piece, a block with a two-piece program", ~two & block_two),
@@ -125,22 +125,32 @@ def summary(stamps: np.ndarray, line, warpgroups: int = 3) -> dict:
             "mean_sm_idle_before_end_us": round(float(end.max() - last_end.mean()), 1)}
 
 
+def _in_a_block_with_two_pieces(line, warpgroups: int) -> np.ndarray:
+    """bool [programs]: a program of the line shares its block with a two-piece program."""
+    u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
+    two = np.asarray(line.pieces(u0, u1)) > 1
+    return np.repeat(np.add.reduceat(two, np.arange(0, line.programs, warpgroups)) > 0, warpgroups)[:line.programs]
+
+
 def features(line, warpgroups: int = 3) -> np.ndarray:
-    """float64 [programs, 6]: 1, history tiles, sinks and rings, whether a second piece, and
-    whether the program is warpgroup 0 or warpgroup 2 of its block (program k: k % warpgroups)."""
+    """float64 [programs, 7]: 1, history tiles, sinks and rings, whether a second piece,
+    whether the program is warpgroup 0 or warpgroup 2 of its block (program k: k % warpgroups),
+    and whether it is a one-piece program in a block with a two-piece one."""
     u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
     pieces = [line.piece(u0, u1, i) for i in range(2)]  # a one-piece program's second: no tiles, no sink
     tiles = sum(np.asarray(t_end - t_begin) for _, _, t_begin, t_end in pieces)
     dense = sum(np.asarray(own, np.float64) for _, own, _, _ in pieces)
     wg = np.arange(len(u0)) % warpgroups
-    return np.stack([np.ones(len(u0)), tiles, dense, np.asarray(line.pieces(u0, u1)) > 1, wg == 0, wg == 2],
-                    axis=1).astype(np.float64)
+    two = np.asarray(line.pieces(u0, u1)) > 1
+    return np.stack([np.ones(len(u0)), tiles, dense, two, wg == 0, wg == 2,
+                     ~two & _in_a_block_with_two_pieces(line, warpgroups)], axis=1).astype(np.float64)
 
 
 def fit(stamps: np.ndarray, line) -> dict:
     """stamps int32 [slots, 16] of one call -> the least-squares model of its programs'
     durations (us: fixed, per tile, per sink and ring, per second piece, warpgroup 0's and
-    2's offset from 1's), their residuals and their starts."""
+    2's offset from 1's, a one-piece program's beside a two-piece one in its block), their
+    residuals and their starts."""
     st = stamps[:line.programs].astype(np.int64)
     t0 = st[:, 0].min()
     start, end = (st[:, 0] - t0) / 1e3, (st[:, 6] - t0) / 1e3
@@ -179,7 +189,8 @@ def model_lines(path: str) -> dict:
     saved = json.load(open(path))
     line = saved_line(saved)
     models = [fit(np.asarray(s, np.int32), line) for s in saved["stamps"]]
-    names = ("fixed_us", "us_per_tile", "sink_and_ring_us", "second_piece_us", "wg0_us", "wg2_us")
+    names = ("fixed_us", "us_per_tile", "sink_and_ring_us", "second_piece_us", "wg0_us", "wg2_us",
+             "one_piece_beside_a_two_piece_us")
     out = {"fits": [dict(zip(names, np.round(m["coef"], 3).tolist()), residual_std_us=round(float(m["residual"].std()), 2),
                          end_us=round(m["end_us"], 1)) for m in models], "lines": [],
            "measured_line": {"programs": line.programs, "end_us": round(float(np.mean([m["end_us"] for m in models])), 2)}}

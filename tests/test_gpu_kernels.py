@@ -921,21 +921,24 @@ def test_timeline_patch_applies_and_summarises(timeline):
 
 def test_timeline_line_model_recovers_its_costs(timeline):
     """bench/timeline.py --model: programs timed as 4 us + 2 us a tile + 9 us a sink and ring
-    + 7 us a second piece + 1 us on warpgroup 0 - 0.5 us on warpgroup 2 + a small random pace
-    each: the fit gives the costs back, the measured line's modelled end is its measured end,
-    and a line of longer programs on the same paces ends later."""
-    line = mixed_attention_mgpu.WorkLine.cut(32, 41, 3, 29, 4)  # cuts not periodic in the warpgroups
+    + 7 us a second piece + 1 us on warpgroup 0 - 0.5 us on warpgroup 2 - 1.5 us for a
+    one-piece program beside a two-piece one in its block + a small random pace each: the fit
+    gives the costs back, the measured line's modelled end is its measured end, and a line of
+    longer programs on the same paces ends later."""
+    line = mixed_attention_mgpu.WorkLine.cut(30, 50, 3, 17, 4)  # cuts not periodic in the warpgroups
     # The features counted from the bounds alone: a pair's sink and ring are its first 3 units.
     x = []
     for k, (u0, u1) in enumerate(zip(line.bounds[:-1], line.bounds[1:])):
         sinks = sum(u0 <= base < u1 for base in range(0, line.pairs * line.unit, line.unit))
         two = (u0 // line.unit + 1) * line.unit < u1
-        x.append([1, u1 - u0 - 3 * sinks, sinks, two, k % 3 == 0, k % 3 == 2])
+        x.append([1, u1 - u0 - 3 * sinks, sinks, two, k % 3 == 0, k % 3 == 2, 0])
     x = np.array(x, np.float64)
+    for k in range(line.programs):  # beside a two-piece program in its block of 3
+        x[k, 6] = not x[k, 3] and x[k - k % 3:k - k % 3 + 3, 3].any()
     np.testing.assert_array_equal(timeline.features(line), x)
-    assert 5 < x[:, 3].sum() < line.programs  # both kinds of program
+    assert 5 < x[:, 3].sum() and 5 < x[:, 6].sum() and 5 < (x[:, 3] + x[:, 6] == 0).sum()  # every kind
     rng = np.random.default_rng(4)
-    coef = np.array([4.0, 2.0, 9.0, 7.0, 1.0, -0.5])
+    coef = np.array([4.0, 2.0, 9.0, 7.0, 1.0, -0.5, -1.5])
     start = rng.uniform(0.0, 0.3, line.programs)
     stamps = np.zeros((line.programs + 1, 16), np.int32)  # a spare slot, ignored
     stamps[:-1, 0] = np.round(1000 * start)
@@ -943,7 +946,7 @@ def test_timeline_line_model_recovers_its_costs(timeline):
     model = timeline.fit(stamps, line)
     np.testing.assert_allclose(model["coef"], coef, atol=0.2)
     assert timeline.modelled_end(model, line) == pytest.approx(model["end_us"], abs=1e-6)
-    longer = mixed_attention_mgpu.WorkLine.cut(32, 41, 3, 40, 4)
+    longer = mixed_attention_mgpu.WorkLine.cut(30, 50, 3, 25, 4)
     assert timeline.modelled_end(model, longer) > model["end_us"] + 5
     with pytest.raises(ValueError, match="knows the pace"):  # more programs than were timed
-        timeline.modelled_end(model, mixed_attention_mgpu.WorkLine.cut(32, 41, 3, 20, 4))
+        timeline.modelled_end(model, mixed_attention_mgpu.WorkLine.cut(30, 50, 3, 12, 4))
