@@ -100,7 +100,7 @@ def summary(stamps: np.ndarray, line, warpgroups: int = 3) -> dict:
     units, two = u1 - u0, np.asarray(line.pieces(u0, u1)) > 1
     dense = line.piece(u0, u1, 0)[1] | line.piece(u0, u1, 1)[1]  # a sink and ring in either piece
     pct = lambda x: {p: round(float(np.percentile(x, p)), 1) for p in (0, 10, 50, 90, 100)}
-    block_two = _in_a_block_with_two_pieces(line, warpgroups)
+    block_two = _in_a_block_with(two, warpgroups)
     kinds = {}
     for name, m in (("one piece", ~two), ("two pieces", two), ("sink and ring", dense), ("history only", ~dense),
                     ("one piece, a block with a two-piece program", ~two & block_two),
@@ -125,11 +125,11 @@ def summary(stamps: np.ndarray, line, warpgroups: int = 3) -> dict:
             "mean_sm_idle_before_end_us": round(float(end.max() - last_end.mean()), 1)}
 
 
-def _in_a_block_with_two_pieces(line, warpgroups: int) -> np.ndarray:
-    """bool [programs]: a program of the line shares its block with a two-piece program."""
-    u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
-    two = np.asarray(line.pieces(u0, u1)) > 1
-    return np.repeat(np.add.reduceat(two, np.arange(0, line.programs, warpgroups)) > 0, warpgroups)[:line.programs]
+def _in_a_block_with(marked: np.ndarray, warpgroups: int) -> np.ndarray:
+    """marked bool [programs] -> bool [programs]: the program's block (program k is in block
+    k // warpgroups) holds a marked program."""
+    n = len(marked)
+    return np.repeat(np.add.reduceat(marked, np.arange(0, n, warpgroups)) > 0, warpgroups)[:n]
 
 
 def features(line, warpgroups: int = 3) -> np.ndarray:
@@ -143,7 +143,7 @@ def features(line, warpgroups: int = 3) -> np.ndarray:
     wg = np.arange(len(u0)) % warpgroups
     two = np.asarray(line.pieces(u0, u1)) > 1
     return np.stack([np.ones(len(u0)), tiles, dense, two, wg == 0, wg == 2,
-                     ~two & _in_a_block_with_two_pieces(line, warpgroups)], axis=1).astype(np.float64)
+                     ~two & _in_a_block_with(two, warpgroups)], axis=1).astype(np.float64)
 
 
 def fit(stamps: np.ndarray, line) -> dict:
