@@ -228,7 +228,7 @@ def main() -> None:
         qq, c.sink_k, c.sink_v, c.hist_codes_k, c.hist_codes_v, c.hist_lo_k, c.hist_scale_k, c.hist_lo_v,
         c.hist_scale_v, c.recent_k, c.recent_v, c.lengths, sink=spec.sink, window=spec.window,
         bits=spec.quant.bits, levels=spec.quant.levels, softmax_scale=spec.head_dim ** -0.5,
-        query_rot=params.query_rot_parts, out_dtype=qq.dtype,
+        query_rot=params.query_rot_parts, query_rot_stats=params.query_rot_stats, out_dtype=qq.dtype,
         output_rot=None if params.v_folded else params.output_rot_parts))
     runs = [np.asarray(call(q, cache)[2]) for _ in range(args.runs + 1)][1:]  # the first one warms up
     line, wgs = timed.last_line, timed.last_warpgroups  # the call's work line and block, set when traced

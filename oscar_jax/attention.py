@@ -94,7 +94,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
     here, in XLA. rotates: the kernel does both itself. It takes the model-basis q as it is,
     the rotations as `query_rot=` and `output_rot=`: their bf16 parts [Hkv, 2, D, D]
     (`LayerParams.query_rot_parts`; f32 [Hkv, D, D] where params carry none; output_rot None
-    when params.v_folded) and `out_dtype=` q.dtype, and returns o in the model basis (the R_V
+    when params.v_folded), `query_rot_stats=` (`LayerParams.query_rot_stats` or None) and
+    `out_dtype=` q.dtype, and returns o in the model basis (the R_V
     basis when v_folded) in that dtype (written by the kernel: no XLA convert after it).
     """
 
@@ -108,8 +109,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
             # the rotations' bf16 parts, split once by LayerParams.create
             query_rot = params.query_rot if params.query_rot_parts is None else params.query_rot_parts
             output_rot = params.output_rot if params.output_rot_parts is None else params.output_rot_parts
-            q_in, extra = q, {"query_rot": query_rot, "out_dtype": q.dtype,
-                              "output_rot": None if params.v_folded else output_rot}
+            q_in, extra = q, {"query_rot": query_rot, "query_rot_stats": params.query_rot_stats,
+                              "out_dtype": q.dtype, "output_rot": None if params.v_folded else output_rot}
         else:
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
                                      precision=hi).reshape(q.shape), {}

@@ -48,6 +48,8 @@ class LayerParams:
     query_rot_parts, output_rot_parts: bf16 [Hkv, 2, D, D], `query_rot` and `output_rot`
       as hi + lo parts (`layout.split_bf16`), made once by `create` for the GPU decode
       kernels' bf16 MMAs (which would otherwise split them on every call).
+    query_rot_stats: f32 [Hkv, 2, D], `query_rot`'s row sums and column norms
+      (`layout.rotation_stats`), made once by `create` for the GPU decode's query layouts.
     """
 
     rot_k: jax.Array
@@ -60,6 +62,7 @@ class LayerParams:
     k_shift: jax.Array | None = None
     query_rot_parts: jax.Array | None = None
     output_rot_parts: jax.Array | None = None
+    query_rot_stats: jax.Array | None = None
 
     @property
     def query_rot(self) -> jax.Array:
@@ -101,9 +104,11 @@ class LayerParams:
         rk, rv = rot(rot_k, "rot_k"), rot(rot_v, "rot_v")
         dk = None if dual_k is None else rot(dual_k, "dual_k")
         dv = None if dual_v is None else rot(dual_v, "dual_v")
+        query_rot = rk if dk is None else dk
         return cls(rk, rv, clip(clip_k, "clip_k"), clip(clip_v, "clip_v"), v_folded, dk, dv,
                    None if k_shift is None else shift(k_shift),
-                   layout.split_bf16(rk if dk is None else dk), layout.split_bf16(rv if dv is None else dv))
+                   layout.split_bf16(query_rot), layout.split_bf16(rv if dv is None else dv),
+                   layout.rotation_stats(query_rot))
 
     def layer(self, i: int) -> "LayerParams":
         return jax.tree.map(lambda x: x[i], self)

@@ -32,7 +32,8 @@ _LOGICAL = {
                   "dual_k": ("kv_heads", "head_dim", "head_dim"),
                   "dual_v": ("kv_heads", "head_dim", "head_dim"), "k_shift": ("kv_heads", "head_dim"),
                   "query_rot_parts": ("kv_heads", "parts", "head_dim", "head_dim"),
-                  "output_rot_parts": ("kv_heads", "parts", "head_dim", "head_dim")},
+                  "output_rot_parts": ("kv_heads", "parts", "head_dim", "head_dim"),
+                  "query_rot_stats": ("kv_heads", "stat", "head_dim")},
 }
 
 

@@ -114,6 +114,15 @@ def bf16_hi_lo(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
+def rotation_stats(rot) -> jnp.ndarray:
+    """rot f32 [..., D, D] or its bf16 parts [..., 2, D, D] (`split_bf16`; M, applied to
+    queries as rows: q M) -> f32 [..., 2, D]: M's row sums (M 1, so that Σ_j (q M)_j = q · M 1)
+    and its column norms (|(q M)_j| <= ‖q‖ ‖M_:j‖), what `decode_start` takes for the two
+    per-query numbers that span every rotated channel."""
+    m = rot.astype(jnp.float32).sum(axis=-3) if rot.dtype == jnp.bfloat16 else rot.astype(jnp.float32)
+    return jnp.stack([m.sum(axis=-1), jnp.sqrt(jnp.sum(m * m, axis=-2))], axis=-2)
+
+
 def split_bf16(x, axis: int = -3):
     """f32 x -> bf16 with a new axis of 2 at `axis`: [hi, lo] (`bf16_hi_lo`), what the GPU
     decode kernels take for the rotations (`LayerParams` splits them once, not per call)."""

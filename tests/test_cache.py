@@ -178,12 +178,19 @@ def test_history_byte_layout_after_write_prompt_and_appends():
 def test_layer_params_split_the_kernel_rotations_once():
     """LayerParams.create holds query_rot and output_rot (the duals where given) as bf16 hi +
     lo parts for the GPU decode kernels: hi is the bf16 rounding, hi + lo within 2^-16 of
-    the largest entry, per layer and KV head, and layer(i) slices them with the rest."""
+    the largest entry, per layer and KV head, and layer(i) slices them with the rest; and the
+    query rotation's row sums and column norms (the dual's where given)."""
     rng = np.random.default_rng(3)
     layers, heads, d = 2, 3, 16
     rot = lambda: np.linalg.qr(rng.standard_normal((layers, heads, d, d)))[0]
     rk, rv, dual_v = rot(), rot(), rot() * 1.7
     params = oj.LayerParams.create(rk, rv, 0.9, 0.8, num_layers=layers, kv_heads=heads, dual_v=dual_v)
+    dk = rng.standard_normal((layers, heads, d, d))
+    stats = oj.LayerParams.create(rk, rv, 0.9, 0.8, num_layers=layers, kv_heads=heads, dual_k=dk).query_rot_stats
+    for got, want in ((params.query_rot_stats, rk), (stats, dk)):
+        assert got.shape == (layers, heads, 2, d) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got[:, :, 0]), want.sum(axis=-1), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got[:, :, 1]), np.linalg.norm(want, axis=-2), rtol=1e-5)
     for parts, want in ((params.query_rot_parts, rk), (params.output_rot_parts, dual_v)):
         assert parts.shape == (layers, heads, 2, d, d) and parts.dtype == jnp.bfloat16
         hi, lo = (np.asarray(parts[:, :, k], np.float32) for k in range(2))

@@ -570,15 +570,20 @@ QUERY_LAYOUT_CASES = [(128, 4, "parts"), (64, 1, "f32"), (256, 3, None)]
 def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     """decode_start's query layouts against an XLA oracle: column c of the N = 8 query
     columns is query c % (8 / P) of column block c // (8 / P) (zeros in the other blocks and
-    in padding columns), q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo within q_step / 2
-    (+ the rare clipped q_lo), far under a bf16 rounding of q (a TF32 rotation fails); Σq
-    per column; the bf16 hi + lo parts for the sink and ring (row r: column r % 8) as fine
-    as the int8 split."""
+    in padding columns), q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo, q_step = ‖q‖ max_j
+    ‖M_:j‖ / (127 · 256) for a rotation M, orthogonal or not (the largest element's when q comes
+    rotated), within
+    one q_step (its rounding + the rotation's), under a tenth of a bf16 rounding of q (a TF32
+    rotation fails); Σq per column; the bf16 hi + lo parts for the sink and ring (row r: column
+    r % 8) within a bf16 rounding and, summed, as fine as the int8 split."""
     rng = np.random.default_rng([d, g])
     b, hkv, scale = 3, 2, d ** -0.5
     # bf16 q with the rotation's parts (the models' case: two products), f32 q otherwise
     q = jnp.asarray(rng.standard_normal((b, hkv * g, d)) * 3, jnp.bfloat16 if rotate == "parts" else jnp.float32)
-    rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32)
+    rot = np.linalg.qr(rng.standard_normal((hkv, d, d)))[0]
+    if rotate == "f32":  # a dual (non-orthogonal) rotation: columns scaled by 0.5-2
+        rot = rot * rng.uniform(0.5, 2.0, (hkv, 1, d))
+    rot = jnp.asarray(rot, jnp.float32)
     packed = mixed_attention_mgpu.slices_per_tile(g, d)
     rot_in = {None: None, "f32": rot, "parts": layout.split_bf16(rot)}[rotate]
     blocks, qcol, q_dense = decode_start.decode_start(q, rot_in, kv_heads=hkv, softmax_scale=scale,
@@ -601,10 +606,18 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     approx = step[..., None] * (256.0 * hi + lo)
     peak = jnp.max(jnp.abs(want2), axis=-1, keepdims=True)
     real = owner < g
+    if rotate:  # |(q M)_j| <= ‖q‖ max_j ‖M_:j‖ (‖q M‖ = ‖q‖ when M is orthogonal)
+        col_norm = jnp.max(jnp.linalg.norm(rot, axis=-2), axis=-1)[None, :, None]
+        q_cols = jnp.where(jnp.asarray(owner < g)[:, None], heads[:, :, np.minimum(owner, g - 1)], 0.0)
+        bound = jnp.linalg.norm(q_cols, axis=-1) * col_norm * scale * np.log2(np.e)
+    else:  # q comes rotated: its largest element
+        bound = peak[..., 0]
+    np.testing.assert_allclose(np.asarray(step)[:, :, real], np.asarray(bound / (127 * 256))[:, :, real], rtol=1e-5)
+    in_steps = float(jnp.max((jnp.abs(approx - want2) / step[..., None])[:, :, real]))
     err = float(jnp.max((jnp.abs(approx - want2) / jnp.where(peak > 0, peak, 1.0))[:, :, real]))
     bf16_err = float(jnp.max((jnp.abs(want2.astype(jnp.bfloat16).astype(jnp.float32) - want2)
                               / jnp.where(peak > 0, peak, 1.0))[:, :, real]))
-    assert err <= 1.0 / (127 * 256) + 1e-6 and err < bf16_err / 10
+    assert in_steps <= 1.0 and err < bf16_err / 10
     assert not np.any(np.asarray(hi)[:, :, ~real]) and not np.any(np.asarray(lo)[:, :, ~real])
     np.testing.assert_allclose(np.asarray(q_sum), np.asarray(jnp.sum(want2, axis=-1)), rtol=1e-4, atol=1e-4)
     # The bf16 parts for the sink and ring: row r holds column r % 8, hi a bf16 rounding of

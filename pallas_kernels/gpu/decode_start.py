@@ -2,15 +2,22 @@
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
-One program per (batch row, KV head) rotates its g queries, folds in the softmax scale and
-log2 e (every score of the decode is in base 2), and lays them out for `mixed_attention_mgpu`:
-the int8 q_hi / q_lo blocks and q_step / Σq tiles of the history's int8 MMAs, and the bf16
-hi + lo parts of the queries for the bf16 MMAs over the sink and ring.
+One program per (batch row, KV head, block of 32 rotated channels) rotates its block of the g
+queries, folds in the softmax scale and log2 e (every score of the decode is in base 2), and
+lays it out for `mixed_attention_mgpu`: the int8 q_hi / q_lo blocks and q_step / Σq tiles of
+the history's int8 MMAs, and the bf16 hi + lo parts of the queries for the bf16 MMAs over the
+sink and ring. The two per-query numbers that span every channel come from the model-basis
+query and the rotation's statistics (`layout.rotation_stats`), so no program needs another's
+channels: Σq = q · (M 1), and the int8 split's range is the bound |(q M)_j| <= ‖q‖ max_j ‖M_:j‖
+(Cauchy-Schwarz; ‖q‖ for an orthogonal M) instead of the largest rotated element.
 
 Precision: the rotation is bf16 MMAs of the hi + lo parts (`bf16_product`) of the rotation
 and of q (q's lo is 0 when q is bf16: two products), ~16 bits, compiled and interpreted alike.
-Given the rotation's parts ready (`layout.split_bf16`, as `LayerParams` holds them) the
-kernel splits nothing of it.
+The int8 split's error is at most q_step / 2 = ‖q‖ max ‖M_:j‖ / (2 · 127 · 256) per element:
+at most sqrt(D) times that of a split over the largest element (a query spread evenly over
+the channels), ~2e-4 of it at D = 128, still under a tenth of a bf16 rounding. Given the
+rotation's parts ready (`layout.split_bf16`, as `LayerParams` holds them) the kernel splits
+nothing of it.
 """
 
 from __future__ import annotations
@@ -29,10 +36,9 @@ TILE_ROWS = 64  # rows of the history kernel's [64, 8] score tiles (qcol repeats
 Q_LO = 256.0  # q ≈ q_step * (256 q_hi + q_lo)
 _Q_PEAK = 127.0  # q / unit in [-127, 127]
 LOG2E = 1.4426950408889634
-# Rotation elements per product ([D, 16384 / D] of it: all of it at D <= 128) and Triton warps:
-# H200, B8 H32/8 D128, the kernel alone: 4.89 us against 5.53 with [D, 64] on 4 warps (5.34 on 8).
-_ROT_ELEMENTS = 16384
-_WARPS = 8
+# Rotated channels per program and Triton warps.
+_CHANNELS = 32
+_WARPS = 4
 
 
 def bf16_parts(x: jax.Array) -> tuple[jax.Array, ...]:
@@ -67,59 +73,65 @@ def bf16_product(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Arra
 
 
 def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q f32 [..., D] (a row or a chunk of one) and peak f32 [...] (max |q| over the whole
-    row) -> (int8 q_hi, int8 q_lo [..., D], q_step f32 [...]) with q ≈ q_step * (256 q_hi +
-    q_lo): |error| <= q_step / 2 (+ a clipped q_lo), about 16 bits relative to the peak."""
+    """q f32 [..., D] (a row or a block of one) and peak f32 [...] (a bound on |q| over the
+    whole row) -> (int8 q_hi, int8 q_lo [..., D], q_step f32 [...]) with q ≈ q_step * (256 q_hi
+    + q_lo): |error| <= q_step / 2 = peak / (2 · 127 · 256) (+ a clipped q_lo)."""
     unit = jnp.where(peak > 0, peak / _Q_PEAK, 1.0)
     x = q / unit[..., None]
-    hi = layout.round_to_int(x)
+    hi = jnp.clip(layout.round_to_int(x), -_Q_PEAK, _Q_PEAK)  # a bound's rounding may pass 127.5
     lo = jnp.clip(layout.round_to_int((x - hi.astype(jnp.float32)) * Q_LO), -127, 127)
     return hi.astype(jnp.int8), lo.astype(jnp.int8), unit / Q_LO
 
 
 def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, split: bool):
-    """One (batch row, KV head) of `decode_start`; split: the rotation comes as its bf16 parts."""
-    rot_ref, qb_ref, qcol_ref, qd_ref = refs if rotate else (None, *refs)
-    b, h = pl.program_id(0), pl.program_id(1)
-    d, packed = q_ref.shape[-1], N // cols
+    """One (batch row, KV head, channel block) of `decode_start`; split: the rotation comes as
+    its bf16 parts."""
+    rot_ref, stats_ref, qb_ref, qcol_ref, qd_ref = refs if rotate else (None, None, *refs)
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    d, packed, blocks = q_ref.shape[-1], N // cols, pl.num_programs(2)
+    cw = d // blocks
     # Row r of a [16, .] tile (a dot's least M) is column c = r % 8 of the N = 8 query columns:
     # rows 8-15 repeat rows 0-7 (the two halves of the bf16 MMAs' B operand; the int8 stores
     # write the copies' same values).
     c = jnp.arange(2 * N) % N
     use = c % cols < g  # column c takes query c % cols of column block c // cols (c < g: query c)
     heads = (h * g + jnp.minimum(c % cols, g - 1))[:, None]
-    cw = min(d, _ROT_ELEMENTS // d)  # rotated channels per chunk ([D, cw] of the rotation per product)
-    chunks = [j * cw + jnp.arange(cw) for j in range(d // cw)]
-    if rotate:  # each chunk's rotation loaded just before its product (all of D = 256's bf16
-        # parts at once need 272 KB of Triton's shared memory; at D <= 128 there is one chunk)
-        x = bf16_parts(plgpu.load(q_ref.at[b, heads, jnp.arange(d)[None, :]], mask=use[:, None], other=0.0))
-        rot = lambda j: (tuple(rot_ref[h, k, :, pl.ds(j * cw, cw)] for k in range(2)) if split else
-                         bf16_parts(rot_ref[h, :, pl.ds(j * cw, cw)]))
-        xs = [bf16_product(x, rot(j)) for j in range(d // cw)]
-    else:
-        xs = [plgpu.load(q_ref.at[b, heads, ch[None, :]], mask=use[:, None], other=0.0).astype(jnp.float32)
-              for ch in chunks]
-    xs = [x * (scale * LOG2E) for x in xs]
+    ch = j * cw + jnp.arange(cw)  # this program's rotated channels
+    row = plgpu.load(q_ref.at[b, heads, jnp.arange(d)[None, :]], mask=use[:, None], other=0.0)  # [16, D]
+    q32 = row.astype(jnp.float32)
+    if rotate:
+        rot = (tuple(rot_ref[h, k, :, pl.ds(j * cw, cw)] for k in range(2)) if split else
+               bf16_parts(rot_ref[h, :, pl.ds(j * cw, cw)]))
+        x = bf16_product(bf16_parts(row), rot)  # [16, cw]
+        sums, norms = stats_ref[h, 0, :], stats_ref[h, 1, :]
+        q_sum = jnp.sum(q32 * sums[None, :], axis=1)
+        peak = jnp.sqrt(jnp.sum(q32 * q32, axis=1)) * jnp.max(norms)
+    else:  # q is rotated already: its own largest element and sum
+        x = plgpu.load(q_ref.at[b, heads, ch[None, :]], mask=use[:, None], other=0.0).astype(jnp.float32)
+        q_sum, peak = jnp.sum(q32, axis=1), jnp.max(jnp.abs(q32), axis=1)
+    fold = scale * LOG2E
+    x, q_sum, peak = x * fold, q_sum * fold, peak * fold
     tile_rows = c[:, None]
-    peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in xs])
-    for ch, x in zip(chunks, xs):
-        q_hi, q_lo, q_step = split_query(x, peak)
-        for k, part in enumerate((q_hi, q_lo)):
-            for j in range(packed):  # column block j: zeros outside it
-                plgpu.store(qb_ref.at[b, h, j, k * N + tile_rows, ch[None, :]],
-                            jnp.where((c // cols == j)[:, None], part, jnp.int8(0)))
-        for k, part in enumerate(layout.bf16_hi_lo(x)):
-            plgpu.store(qd_ref.at[b, h, k, jnp.arange(2 * N)[:, None], ch[None, :]], part)
-    q_sum = sum(jnp.sum(x, axis=1) for x in xs)
-    rows = jnp.arange(TILE_ROWS)[:, None]
+    q_hi, q_lo, q_step = split_query(x, peak)
+    for k, part in enumerate((q_hi, q_lo)):
+        for jb in range(packed):  # column block jb: zeros outside it
+            plgpu.store(qb_ref.at[b, h, jb, k * N + tile_rows, ch[None, :]],
+                        jnp.where((c // cols == jb)[:, None], part, jnp.int8(0)))
+    for k, part in enumerate(layout.bf16_hi_lo(x)):
+        plgpu.store(qd_ref.at[b, h, k, jnp.arange(2 * N)[:, None], ch[None, :]], part)
+    rows = j * (TILE_ROWS // blocks) + jnp.arange(TILE_ROWS // blocks)[:, None]  # this program's share
     for k, vec in enumerate((q_step, q_sum)):  # the same in every row of the [64, 8] tile
-        plgpu.store(qcol_ref.at[b, h, k, rows, tile_rows.T], jnp.broadcast_to(vec[None, :], (TILE_ROWS, 2 * N)))
+        plgpu.store(qcol_ref.at[b, h, k, rows, tile_rows.T],
+                    jnp.broadcast_to(vec[None, :], (TILE_ROWS // blocks, 2 * N)))
 
 
-def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int, interpret: bool = False):
+def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int, query_rot_stats=None,
+                 interpret: bool = False):
     """q [B, Hq, D] (model basis, or rotated when query_rot is None); query_rot f32
     [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`: nothing to split in the
-    kernel) or None; packed: the history kernel's token slices per score tile.
+    kernel) or None; query_rot_stats: f32 [Hkv, 2, D] = `layout.rotation_stats(query_rot)` (which
+    `LayerParams` holds; computed here when None); packed: the history kernel's token slices
+    per score tile.
 
     Returns, per (batch row, KV head), in one Triton kernel, all in base 2 (log2 e and the
     softmax scale folded into the rotated queries); column c of the N = 8 query columns is
@@ -134,14 +146,21 @@ def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: i
     g, cols = hq // kv_heads, N // packed
     rot, split = rotation_input(query_rot, kv_heads, d, "query_rot")
     rotate = rot is not None
-    inputs = (q, rot) if rotate else (q,)
+    if rotate:
+        stats = layout.rotation_stats(rot) if query_rot_stats is None else query_rot_stats
+        if stats.shape != (kv_heads, 2, d) or stats.dtype != jnp.float32:
+            raise ValueError(f"query_rot_stats: {stats.dtype} {stats.shape}: expected f32 [Hkv={kv_heads}, 2, "
+                             f"D={d}] (layout.rotation_stats)")
+        inputs = (q, rot, stats)
+    else:
+        inputs = (q,)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out_shape = [jax.ShapeDtypeStruct((b, kv_heads, packed, 2 * N, d), jnp.int8),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, TILE_ROWS, N), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, 2, 2 * N, d), jnp.bfloat16)]
     return pl.pallas_call(
         functools.partial(_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, split=split),
-        grid=(b, kv_heads),
+        grid=(b, kv_heads, d // min(d, _CHANNELS)),
         in_specs=[full(x.shape) for x in inputs],
         out_specs=[full(o.shape) for o in out_shape],
         out_shape=out_shape,

@@ -796,14 +796,16 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
                     interpret: bool = False, target_programs: int | None = None, buffers: int | None = None,
                     warpgroups: int | None = None,
                     query_rot: jax.Array | None = None, output_rot: jax.Array | None = None,
-                    out_dtype=jnp.float32):
+                    query_rot_stats: jax.Array | None = None, out_dtype=jnp.float32):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
     except that both rotations may be left to this kernel.
 
     q: [B, 1, Hq, D], rotated, or in the model basis when query_rot is given: f32 [Hkv, D, D],
     or its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`, which `LayerParams` holds: then no
     kernel splits it per call) (`decode_start` rotates q: one kernel for the rotation and
-    every query layout the MMAs need, where XLA took about ten small ops); hist_codes_k uint8 [B, Hkv, T_hist/4, D];
+    every query layout the MMAs need, where XLA took about ten small ops); query_rot_stats: f32
+    [Hkv, 2, D] = `layout.rotation_stats(query_rot)` (which `LayerParams` holds) or None (then
+    computed per call); hist_codes_k uint8 [B, Hkv, T_hist/4, D];
     hist_codes_v uint8 [B, Hkv, D, T_hist/4] (channel-major); lo/scale bf16 [B, Hkv, 1, 4,
     T_hist/4]; sink/recent bf16 [B, Hkv, S0 or W, D]; lengths int32 [B]; output_rot f32
     [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] or None (the output is rotated back, o = o_rot · output_rot[h]^T, by
@@ -836,7 +838,8 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     packed = slices_per_tile(g, d)
     cols = _N // packed  # query columns per slice: g padded
     q_blocks, qcol, q_dense = start.decode_start(q[:, 0], query_rot, kv_heads=hkv, softmax_scale=softmax_scale,
-                                                 packed=packed, interpret=interpret)
+                                                 packed=packed, query_rot_stats=query_rot_stats,
+                                                 interpret=interpret)
     # The bf16 segments in whole blocks of 64 rows (a copy only where S0 or W is not a multiple
     # of 64; the defaults, 64 and 256, are); no sink: the ring stands in (unread).
     whole = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, -x.shape[2] % _ROWS), (0, 0))) if x.shape[2] % _ROWS else x
