@@ -518,7 +518,7 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     1e-4: finer than a TF32 rotation's ~5e-4). The partials take two merge steps at D = 256, the second
     ragged (one masked step elsewhere). Query 0's lses lie 200 above the others, so a global
     rather than per-query max underflows. Each (row, head) uses its first `counts` partials
-    (the work line's pieces); the rest hold NaN and must be left unread. out_dtype bf16 (D = 128)
+    (the work line's pieces); the rest hold NaN and must not reach the result. out_dtype bf16 (D = 128)
     gives the f32 result rounded once; at D = 256 the counts sit inside a longer table
     (`counts_at`)."""
     rng = np.random.default_rng([d, g, splits])
@@ -572,10 +572,10 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     columns is query c % (8 / P) of column block c // (8 / P) (zeros in the other blocks and
     in padding columns), q ≈ q_step (256 q_hi + q_lo) with int8 q_hi, q_lo, q_step = ‖q‖ max_j
     ‖M_:j‖ / (127 · 256) for a rotation M, orthogonal or not (the largest element's when q comes
-    rotated), within
-    one q_step (its rounding + the rotation's), under a tenth of a bf16 rounding of q (a TF32
-    rotation fails); Σq per column; the bf16 hi + lo parts for the sink and ring (row r: column
-    r % 8) within a bf16 rounding and, summed, as fine as the int8 split."""
+    rotated), within about one q_step (its rounding or a clipped q_lo, + the rotation's), under
+    a tenth of a bf16 rounding of q (a TF32 rotation fails); Σq per column; the bf16 hi + lo
+    parts for the sink and ring (row r: column r % 8) within a bf16 rounding and, summed, as
+    fine as the int8 split."""
     rng = np.random.default_rng([d, g])
     b, hkv, scale = 3, 2, d ** -0.5
     # bf16 q with the rotation's parts (the models' case: two products), f32 q otherwise
@@ -617,7 +617,7 @@ def test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=True):
     err = float(jnp.max((jnp.abs(approx - want2) / jnp.where(peak > 0, peak, 1.0))[:, :, real]))
     bf16_err = float(jnp.max((jnp.abs(want2.astype(jnp.bfloat16).astype(jnp.float32) - want2)
                               / jnp.where(peak > 0, peak, 1.0))[:, :, real]))
-    assert in_steps <= 1.0 and err < bf16_err / 10
+    assert in_steps <= 1.05 and err < bf16_err / 10  # a clipped q_lo: a step; the rotation's error
     assert not np.any(np.asarray(hi)[:, :, ~real]) and not np.any(np.asarray(lo)[:, :, ~real])
     np.testing.assert_allclose(np.asarray(q_sum), np.asarray(jnp.sum(want2, axis=-1)), rtol=1e-4, atol=1e-4)
     # The bf16 parts for the sink and ring: row r holds column r % 8, hi a bf16 rounding of

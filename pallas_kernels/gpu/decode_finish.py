@@ -117,7 +117,7 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, o
     o_t: f32 [B, Hkv, S, D, 8] normalised partials, column c for query c % cols; lse2: f32
     [B, Hkv, S, 8] their log-sum-exp in base 2 (-inf: nothing seen); counts: int32, flat
     elements counts_at + b Hkv + h = the partials (row b, head h) has, its first ones (the
-    rest unread, any bits): a [B, Hkv] array, or a longer table that holds them (a constant
+    rest any bits, NaN too, never used): a [B, Hkv] array, or a longer table that holds them (a constant
     with equal elements would be a broadcast kernel of its own in XLA);
     output_rot: f32 [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`) or None
     (o = o_rot · output_rot[h]^T when given; each channel block then merges all D, which the

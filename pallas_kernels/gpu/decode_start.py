@@ -13,10 +13,11 @@ channels: Σq = q · (M 1), and the int8 split's range is the bound |(q M)_j| <=
 
 Precision: the rotation is bf16 MMAs of the hi + lo parts (`bf16_product`) of the rotation
 and of q (q's lo is 0 when q is bf16: two products), ~16 bits, compiled and interpreted alike.
-The int8 split's error is at most q_step / 2 = ‖q‖ max ‖M_:j‖ / (2 · 127 · 256) per element:
-at most sqrt(D) times that of a split over the largest element (a query spread evenly over
-the channels), ~2e-4 of it at D = 128, still under a tenth of a bf16 rounding. Given the
-rotation's parts ready (`layout.split_bf16`, as `LayerParams` holds them) the kernel splits
+The int8 split's error is about q_step / 2 = ‖q‖ max ‖M_:j‖ / (2 · 127 · 256) per element (up to
+one q_step where q_lo clips): against a split over the largest rotated element, coarser by
+‖q‖ max ‖M_:j‖ / max_j |(q M)_j|, at most sqrt(D) for an orthogonal M (a query spread evenly
+over the channels: ~1.7e-4 of the largest element at D = 128, a tenth of its bf16 rounding), more
+for a dual M by its column norms' spread. Given the rotation's parts ready (`layout.split_bf16`, as `LayerParams` holds them) the kernel splits
 nothing of it.
 """
 
@@ -78,7 +79,7 @@ def split_query(q: jax.Array, peak: jax.Array) -> tuple[jax.Array, jax.Array, ja
     + q_lo): |error| <= q_step / 2 = peak / (2 · 127 · 256) (+ a clipped q_lo)."""
     unit = jnp.where(peak > 0, peak / _Q_PEAK, 1.0)
     x = q / unit[..., None]
-    hi = jnp.clip(layout.round_to_int(x), -_Q_PEAK, _Q_PEAK)  # a bound's rounding may pass 127.5
+    hi = jnp.clip(layout.round_to_int(x), -_Q_PEAK, _Q_PEAK)  # a safeguard: |x| <= ~127.0003 from a bound
     lo = jnp.clip(layout.round_to_int((x - hi.astype(jnp.float32)) * Q_LO), -127, 127)
     return hi.astype(jnp.int8), lo.astype(jnp.int8), unit / Q_LO
 

@@ -7,7 +7,7 @@ Both products run on the tensor cores' int8 path (wgmma s8·s8 -> s32), straight
     (raw comes times _SLICE_SCALE[s], see below, and q_step is divided by it)
   online softmax over tokens, in base 2 (log2 e is folded into q)
   out^T [D, 8] += vcode_s^T [D, 64] @ (256 w_hi + w_lo)_s [64, 8]  (one N = 16 s8 MMA: [w_hi | w_lo])
-where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (~16 bits of q, finer than bf16)
+where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (q_step from a bound on |q|, finer than bf16)
 and w = p ∘ vscale_s ≈ (w_max / 127) * (w_hi + w_lo / 256) per step and query column, with
 w_max the step's largest vscale (p <= 1 after the running max): it needs only the metadata,
 so its cross-warp reduction runs while the K products do (a bound from the weights
