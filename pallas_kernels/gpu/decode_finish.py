@@ -64,6 +64,7 @@ def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: in
     p8 = jnp.arange(8)
     owns = p8[:, None] % cols == queries[None, :]  # [8 partial columns, 16 query columns]
     same = p8[:, None] % cols == p8[None, :] % cols  # [8, 8]: the partial columns of one query
+
     def load(at, ok, other):
         """A load of partial slots, `other` where not ok (a slot past `counts`: any bits, NaN
         too). When the program only merges, unmasked with a select, so that no load waits for
@@ -117,8 +118,8 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, o
     o_t: f32 [B, Hkv, S, D, 8] normalised partials, column c for query c % cols; lse2: f32
     [B, Hkv, S, 8] their log-sum-exp in base 2 (-inf: nothing seen); counts: int32, flat
     elements counts_at + b Hkv + h = the partials (row b, head h) has, its first ones (the
-    rest any bits, NaN too, never used): a [B, Hkv] array, or a longer table that holds them (a constant
-    with equal elements would be a broadcast kernel of its own in XLA);
+    rest any bits, NaN too, never used): a [B, Hkv] array, or a longer table that holds them
+    (a constant with equal elements would be a broadcast kernel of its own in XLA);
     output_rot: f32 [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`) or None
     (o = o_rot · output_rot[h]^T when given; each channel block then merges all D, which the
     Mosaic GPU path does only at D <= 128). Returns (o out_dtype [B, Hkv, g, D]

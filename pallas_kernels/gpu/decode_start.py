@@ -16,9 +16,9 @@ and of q (q's lo is 0 when q is bf16: two products), ~16 bits, compiled and inte
 The int8 split's error is about q_step / 2 = ‖q‖ max ‖M_:j‖ / (2 · 127 · 256) per element (up to
 one q_step where q_lo clips): against a split over the largest rotated element, coarser by
 ‖q‖ max ‖M_:j‖ / max_j |(q M)_j|, at most sqrt(D) for an orthogonal M (a query spread evenly
-over the channels: ~1.7e-4 of the largest element at D = 128, a tenth of its bf16 rounding), more
-for a dual M by its column norms' spread. Given the rotation's parts ready (`layout.split_bf16`, as `LayerParams` holds them) the kernel splits
-nothing of it.
+over the channels: ~1.7e-4 of the largest element at D = 128, a tenth of its bf16 rounding),
+more for a dual M by its column norms' spread. Given the rotation's parts ready
+(`layout.split_bf16`, as `LayerParams` holds them) the kernel splits nothing of it.
 """
 
 from __future__ import annotations
