@@ -10,8 +10,8 @@ Both products run on the tensor cores' int8 path (wgmma s8·s8 -> s32), straight
 where q ≈ q_step * (256 q_hi + q_lo) with int8 q_hi, q_lo (q_step from a bound on |q|, finer than bf16)
 and w = p ∘ vscale_s ≈ (w_max / 127) * (w_hi + w_lo / 256) per step and query column, with
 w_max the step's largest vscale (p <= 1 after the running max): it needs only the metadata,
-so its cross-warp reduction runs while the K products do (a bound from the weights
-themselves would put a second reduction after the softmax; ~15 bits of max w either way).
+so its cross-warp reduction shares the scores' barrier (a bound from the weights themselves
+would put a second reduction after the softmax; ~15 bits of max w either way).
 Σ p·lo is kept per token and reduced once at the end; the rounding error of w is charged
 there to code - 1.5 rather than to code (uncentred, it cancelled badly against Σ p·lo).
 W = 256 w_hi + w_lo = round(w / w_step) comes from one FFMA (`_ROUND`: the integer lands in
@@ -34,7 +34,7 @@ loads only the metadata rows of its own column block.
 
 The kernel runs without Pallas's automatic barriers (`unsafe_no_auto_barriers`), which put
 one before each TMA copy (6 a step): shared-memory reuse is ordered by the step's own
-reductions (`_max_rows`, one barrier each, scratch alternating by step parity), the
+reductions (`_max_rows`, one barrier a step, scratch alternating by step parity), the
 barriers after `_dense`'s MMAs and commit_smem after every store; each step's copies are
 issued by one warp (`one_warp`).
 
@@ -244,6 +244,40 @@ def _load_metadata(meta, t: int, packed: int) -> list:
     return load(meta)
 
 
+def _load_columns(ref, scales: tuple[int, ...], *, interpret: bool) -> jax.Array:
+    """f32 [8] in shared memory -> [8] (one value per column of a WGMMA tile, 2 registers a
+    thread), column block j (8 / len(scales) columns) divided by scales[j]. A [64, 8] tile
+    whose rows all hold these values would keep 4 registers a thread for the whole loop."""
+    cols = _N // len(scales)
+    if interpret:
+        block = lax.broadcasted_iota(jnp.int32, (_N,), 0) // cols
+        factor = jnp.full((_N,), 1.0 / scales[0], jnp.float32)
+        for j in range(1, len(scales)):
+            factor = jnp.where(block == j, 1.0 / scales[j], factor)
+        return ref[...] * factor
+    column = plgpu.Layout.WGMMA.reduce(0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((_N,), jnp.float32, layout=column))
+    def load(ctx, ref):
+        del ctx
+        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+        const = lambda v: arith.constant(i32, v)
+        col = arith.muli(arith.remui(mgpu.utils.thread_idx(), const(4)), const(2))  # this thread's 2 columns
+        value = vector.load(ir.VectorType.get((2,), f32), ref, [arith.index_cast(index, col)])
+        factor = arith.constant(f32, 1.0 / scales[0])
+        block = arith.divui(col, const(cols))
+        for j in range(1, len(scales)):
+            factor = arith.select(arith.cmpi(arith.CmpIPredicate.eq, block, const(j)),
+                                  arith.constant(f32, 1.0 / scales[j]), factor)
+        value = arith.mulf(value, vector.broadcast(value.type, factor))
+        layout = fa.WGMMA_LAYOUT.reduce((0,))
+        return mgpu.FragmentedArray(_registers=np.asarray([value], dtype=object).reshape(
+            layout.registers_shape((_N,))), _layout=layout, _is_signed=None)
+
+    return load(ref)
+
+
 def _warpgroup_barrier(*, interpret: bool) -> None:
     """All 4 warps of this warpgroup meet (the kernel runs without Pallas's automatic
     barriers, `unsafe_no_auto_barriers`: see `_kernel`)."""
@@ -275,41 +309,46 @@ def _reduce_rows(x: jax.Array, kind: str, scratch, *, interpret: bool) -> jax.Ar
     return reduce(x, scratch)
 
 
-def _max_rows(x: jax.Array, scratch, *, interpret: bool) -> jax.Array:
-    """f32 [64, 8] (WGMMA layout) -> [8]: the max over rows with one barrier: the max in each
-    thread and warp (butterfly shuffles), each warp's into scratch f32 [_MAX_SCRATCH], a
-    barrier, the max of the 4 warps' (two 16-byte loads). Mosaic GPU's `reduce` also puts a
-    barrier after the loads, for the scratch's next use; here the caller instead gives each
-    call scratch that nothing writes again before every warp has passed a later barrier."""
+def _max_rows(xs, scratches, *, interpret: bool) -> list:
+    """f32 [64, 8] arrays (WGMMA layout) -> [8] each: the max over rows, all behind one barrier:
+    the max in each thread and warp (butterfly shuffles), each warp's into the array's scratch
+    f32 [_MAX_SCRATCH], a barrier, the max of the 4 warps' (two 16-byte loads). Mosaic GPU's
+    `reduce` also puts a barrier after the loads, for the scratch's next use; here the caller
+    instead gives each call scratch that nothing writes again before every warp has passed a
+    later barrier."""
     if interpret:
-        return x.max(axis=0)
+        return [x.max(axis=0) for x in xs]
     out_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-                       return_type=plgpu.ShapeDtypeStruct((_N,), jnp.float32, layout=out_layout))
-    def reduce(ctx, array, ref):
+    @plgpu.inline_mgpu(arg_types=((plgpu.Layout.WGMMA,) * len(xs), (plgpu.RefType(),) * len(xs)),
+                       return_type=[plgpu.ShapeDtypeStruct((_N,), jnp.float32, layout=out_layout)] * len(xs))
+    def reduce(ctx, arrays, refs):
         del ctx
         i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
         const = lambda v: arith.constant(i32, v)
         thread = mgpu.utils.thread_idx()
         lane = arith.remui(thread, const(32))
         warp = arith.divui(arith.remui(thread, const(128)), const(32))
-        regs = array.registers.reshape(2)  # rows r and r + 8 of this thread's 2 columns
-        v = arith.maximumf(regs[0], regs[1])
-        for distance in (4, 8, 16):  # the lanes of these 2 columns
-            v = arith.maximumf(v, mgpu.utils.shfl_bfly(v, distance))
         group = arith.muli(arith.remui(lane, const(4)), const(4))  # this lane's columns' 4 slots
         at = lambda x: arith.index_cast(index, arith.muli(x, const(2)))
-        vector.store(v, ref, [at(arith.addi(group, warp))])
+        for array, ref in zip(arrays, refs):
+            regs = array.registers.reshape(2)  # rows r and r + 8 of this thread's 2 columns
+            v = arith.maximumf(regs[0], regs[1])
+            for distance in (4, 8, 16):  # the lanes of these 2 columns
+                v = arith.maximumf(v, mgpu.utils.shfl_bfly(v, distance))
+            vector.store(v, ref, [at(arith.addi(group, warp))])
         mgpu.utils.warpgroup_barrier()
-        parts = vector.load(ir.VectorType.get((8,), ir.F32Type.get()), ref, [at(group)])
-        parts = [mgpu.utils.vector_slice(parts, slice(2 * w, 2 * w + 2)) for w in range(4)]
-        out = arith.maximumf(arith.maximumf(parts[0], parts[1]), arith.maximumf(parts[2], parts[3]))
         layout = fa.WGMMA_LAYOUT.reduce((0,))
-        return mgpu.FragmentedArray(_registers=np.asarray([out], dtype=object).reshape(
-            layout.registers_shape((_N,))), _layout=layout, _is_signed=None)
+        out = []
+        for ref in refs:
+            parts = vector.load(ir.VectorType.get((8,), ir.F32Type.get()), ref, [at(group)])
+            parts = [mgpu.utils.vector_slice(parts, slice(2 * w, 2 * w + 2)) for w in range(4)]
+            v = arith.maximumf(arith.maximumf(parts[0], parts[1]), arith.maximumf(parts[2], parts[3]))
+            out.append(mgpu.FragmentedArray(_registers=np.asarray([v], dtype=object).reshape(
+                layout.registers_shape((_N,))), _layout=layout, _is_signed=None))
+        return out
 
-    return reduce(x, scratch)
+    return reduce(tuple(xs), tuple(scratches))
 
 
 def _dense_blocks(sink: int, window: int) -> tuple[int, int]:
@@ -496,9 +535,10 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)  # q_hi, q_lo (with the first tiles)
         plgpu.copy_gmem_to_smem(qcol_ref.at[b, h], qcol_smem, q_bar)  # q_step, Σq tiles
         plgpu.barrier_wait(q_bar)
-        q_step = plgpu.load(qcol_smem.at[0], layout=wgmma_layout)  # [64, 8], the same in every row
-        q_sum = plgpu.load(qcol_smem.at[1], layout=wgmma_layout)
-        q_steps = [q_step * unscale(tile, t) for t in range(n_tiles)]  # K codes come scaled
+        # Per column ([8]: 2 registers a thread); q_step / _SLICE_SCALE as the K codes come scaled.
+        q_steps = [_load_columns(qcol_smem.at[0, 0], _SLICE_SCALE[t * packed:(t + 1) * packed],
+                                 interpret=interpret) for t in range(n_tiles)]
+        q_sum = _load_columns(qcol_smem.at[1, 0], (1,), interpret=interpret)
 
         def a_operand(codes, s, stage, scaled=False):
             """Slice s of a packed code tile as an MMA A operand: registers when compiled; staged
@@ -523,17 +563,16 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
             packed_k = plgpu.load(ck_smem.at[slot], layout=codes_layout)  # [64, D]
 
             def load_rest():
-                """V codes, metadata [64, 8] per tile (lo_k, scale_k, lo_v, scale_v; column block
-                j: slice t * packed + j) and the bound of w = p * scale_v (p <= 1), per column."""
-                packed_v = plgpu.load(cv_smem.at[slot], layout=codes_layout)  # [D, 64]
+                """Metadata [64, 8] per tile (lo_k, scale_k, lo_v, scale_v; column block j: slice
+                t * packed + j), the largest scale_v of each token's column block (the bound of
+                w = p * scale_v, p <= 1, once reduced over tokens with the scores) and the V codes."""
                 if interpret:
                     meta = [[by_block([plgpu.load(meta_smem.at[slot, k, t * packed + j], layout=row).astype(jnp.float32)
                                        for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
                 else:
                     meta = [_load_metadata(meta_smem.at[slot], t, packed) for t in range(n_tiles)]
-                w_bound = _max_rows(functools.reduce(jnp.maximum, [mt[3] for mt in meta]), max_scratch(i, 0),
-                                    interpret=interpret)
-                return packed_v, meta, w_bound
+                w_max = functools.reduce(jnp.maximum, [mt[3] for mt in meta])
+                return plgpu.load(cv_smem.at[slot], layout=codes_layout), meta, w_max  # V codes [D, 64]
 
             def qk(*acc_refs):
                 """Per tile: its slices' codes times [q_hi | q_lo] placed in the slice's column block
@@ -546,19 +585,21 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
                 return [acc_ref[...] for acc_ref in acc_refs], load_rest()
 
             with jax.named_scope("qk"):
-                accs, (packed_v, meta, w_bound) = pl.run_scoped(qk, *[plgpu.ACC((_ROWS, 2 * _N), jnp.int32)] * n_tiles)
+                accs, (packed_v, meta, w_max) = pl.run_scoped(qk, *[plgpu.ACC((_ROWS, 2 * _N), jnp.int32)] * n_tiles)
             with jax.named_scope("softmax"):
                 scores = []
                 for t in range(n_tiles):
                     lo_k, scale_k = meta[t][0], meta[t][1]
                     raw = (accs[t][:, :_N] * int(_Q_LO) + accs[t][:, _N:]).astype(jnp.float32)
-                    sc = scale_k * (q_steps[t] * raw) + lo_k * q_sum
+                    sc = scale_k * (by_col(q_steps[t]) * raw) + lo_k * by_col(q_sum)
                     if last:
                         token = _TPB * (r0 + row_ids) + t * packed + col_block
                         sc = jnp.where(token < n_hist, sc, -jnp.inf)
                     scores.append(sc)
-                m_new = jnp.maximum(m, _max_rows(functools.reduce(jnp.maximum, scores), max_scratch(i, 1),
-                                                 interpret=interpret))
+                # The scores' and the w bound's maxima over tokens behind one barrier.
+                s_max, w_bound = _max_rows((functools.reduce(jnp.maximum, scores), w_max),
+                                           (max_scratch(i, 1), max_scratch(i, 0)), interpret=interpret)
+                m_new = jnp.maximum(m, s_max)
                 m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if last else m_new  # finite if unmasked
                 alpha = jnp.exp2(m - m_use)
                 probs = [jnp.exp2(sc - by_col(m_use)) for sc in scores]
