@@ -108,7 +108,7 @@ _CODE_MID = 1.5  # mean code: the rounding of w is charged to code - 1.5
 _SLICE_SCALE = (1, 4, 1, 4)
 _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
 _REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16] (4 warps x 32 lanes x 4)
-_MAX_SCRATCH = 32  # f32: one `_max_rows` of [64, 8] (4 lane groups x 4 warps x 2 columns)
+_MAX_SCRATCH = 32  # f32: one [64, 8] array of a `_max_rows` (4 lane groups x 4 warps x 2 columns)
 # Work of a 64-token bf16 block of the sink or ring, in 256-token history steps (work-line
 # units): session 8's estimate (~2 us a block against ~2.4 us a step). The session-10 A/B puts
 # it nearer 1.3 (the 128K kernel 3.3 us longer), but 1.3, together with earlier first loads,
@@ -488,8 +488,8 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
         plgpu.warp_map(lambda warp: pl.when(warp == wg % 4)(fn))
 
     def max_scratch(i, k):
-        """Scratch of step i's k-th `_max_rows` (0: the w bound, 1: the scores), by step parity:
-        its next writer, step i + 2, runs after every warp passed step i + 1's barriers."""
+        """Scratch of array k of step i's `_max_rows` (0: the w bound, 1: the scores), by step
+        parity: its next writer, step i + 2, runs after every warp passed step i + 1's barriers."""
         return red_smem.at[pl.ds(_REDUCTION_SCRATCH + (lax.rem(i, 2) * 2 + k) * _MAX_SCRATCH, _MAX_SCRATCH)]
 
     def unscale(shape, t):
@@ -564,8 +564,9 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
 
             def load_rest():
                 """Metadata [64, 8] per tile (lo_k, scale_k, lo_v, scale_v; column block j: slice
-                t * packed + j), the largest scale_v of each token's column block (the bound of
-                w = p * scale_v, p <= 1, once reduced over tokens with the scores) and the V codes."""
+                t * packed + j), w_max [64, 8]: per packed row and column, the largest scale_v over
+                the score tiles (the bound of w = p * scale_v, p <= 1, once reduced over rows with
+                the scores) and the V codes."""
                 if interpret:
                     meta = [[by_block([plgpu.load(meta_smem.at[slot, k, t * packed + j], layout=row).astype(jnp.float32)
                                        for j in range(packed)]) for k in range(4)] for t in range(n_tiles)]
@@ -577,7 +578,7 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
             def qk(*acc_refs):
                 """Per tile: its slices' codes times [q_hi | q_lo] placed in the slice's column block
                 (one N = 16 int8 MMA per slice into one [64, 16] accumulator per tile), waited on
-                once; the V codes and the metadata are loaded while the MMAs run."""
+                once; the metadata and the V codes are loaded after that wait (in program order)."""
                 for t in range(n_tiles):
                     for j in range(packed):
                         plgpu.wgmma(acc_refs[t], a_operand(packed_k, t * packed + j, stage_k, scaled=True),
@@ -855,7 +856,7 @@ def mixed_attention(q, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hi
     f32 [B, 1, Hq]).
     warpgroups: programs per block, each warpgroup one program with its own buffers and
     barriers. 3 puts 3 programs on an SM (ptxas then fits a thread into 168 registers, spilling
-    76 bytes, where 1 program per block took 213 and 2 programs per SM): at B8 H32/8 on the
+    56 bytes since session 27, where 1 program per block took 213 and 2 programs per SM): at B8 H32/8 on the
     H200 the kernel took 203.2 against 220.6 us at 128K and 57.2 against 58.6 us at 32K
     (bench/results/kernels_session9_h200.json run 2). target_programs: the work line is
     chosen for at most about this many programs. buffers: TMA pipeline depth. None: see
