@@ -963,3 +963,42 @@ def test_timeline_line_model_recovers_its_costs(timeline):
     assert timeline.modelled_end(model, longer) > model["end_us"] + 5
     with pytest.raises(ValueError, match="knows the pace"):  # more programs than were timed
         timeline.modelled_end(model, mixed_attention_mgpu.WorkLine.cut(30, 50, 3, 12, 4))
+
+
+# nvdisasm -c -g text: an instruction before a loop, a loop of two MMAs from source lines 10
+# and 11 with a forward branch out of it and a predicated branch back, the exit, a retry block
+# after the exit that branches back into the loop (no loop: the run holds the EXIT), and the
+# end's branch to itself.
+_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_3:
+	//## File "/src/kernel.py", line 10
+        /*0010*/                   IGMMA.64x16x32.S8.S8 R40, R24, gdesc[UR8], RZ, !UPT ;
+        /*0020*/                   LOP3.LUT R24, R28, 0x3030303, RZ, 0xc0, !PT ;
+.L_x_5:
+	//## File "/src/kernel.py", line 11
+        /*0030*/                   IGMMA.64x16x32.S8.S8 R40, R48, gdesc[UR24], R40 ;
+        /*0040*/               @P4 BRA `(.L_x_4) ;
+        /*0050*/             @!UP1 BRA `(.L_x_3) ;
+        /*0060*/                   EXIT ;
+.L_x_4:
+        /*0070*/                   NANOSLEEP 0x10 ;
+        /*0080*/                   BRA `(.L_x_5) ;
+.L_x_6:
+        /*0090*/                   BRA `(.L_x_6) ;
+"""
+
+
+def test_sass_summary_counts_a_loop():
+    """bench/sass.py: the loop is the run from its label to the branch back; neither the forward
+    branch, nor the retry block's branch back across the exit, nor the end's branch to itself
+    make one; opcodes drop predicates (uniform ones too) and modifiers; instructions count by
+    source file and line."""
+    sass = _bench_module("sass")
+    instructions, labels = sass.parse(_SASS)
+    assert labels == {"3": 1, "5": 3, "4": 7, "6": 9} and len(instructions) == 10
+    assert sass.loops(instructions, labels) == [(1, 5)]
+    summary = sass.summarise(instructions[1:6], top_lines=1)
+    assert summary["instructions"] == 5 and summary["mmas"] == 2
+    assert summary["opcodes"] == {"IGMMA": 2, "BRA": 2, "LOP3": 1}
+    assert summary["lines"] == {"kernel.py:11": 3}
