@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")  # address, then the instruction
 _LABEL = re.compile(r"\s*\.L_x_(\d+):")
 _SOURCE = re.compile(r'\s*//## File "([^"]+)", line (\d+)')
 _BRANCH_TARGET = re.compile(r"\.L_x_(\d+)")
@@ -62,7 +62,7 @@ def parse(sass: str) -> tuple[list[Instruction], dict[str, int]]:
         elif m := _INSTRUCTION.match(row):
             labels.update((label, len(instructions)) for label in pending)
             pending = []
-            instructions.append(Instruction(m.group(2), line))
+            instructions.append(Instruction(m.group(1), line))
     return instructions, labels
 
 
