@@ -376,22 +376,24 @@ def _lower_for_h200(fn, args):
 # memory, the unpacking and the transposed weight store as array ops); `test_mgpu_lowers_for_cuda`
 # runs the Python side of its sm_90 compilation (layouts, wgmma and TMA checks) without a GPU.
 
-# (D, g, history tokens, target programs: 8 -> one piece per (row, head) pair (1-2 steps
-# here); 10, 12, 14 -> pieces of up to 4 steps, programs that span two pairs with a sink and
-# ring between their pieces, and pairs of 2 and of 3 partials)
+# (D, g, history tokens, target programs): 8-14 programs of 8 (row, head) pairs -> one program
+# a pair (pieces of up to 4 steps at 1024 tokens); 32-1024 -> each pair in 2-4 pieces (3-5
+# partials with its sink and ring); 4096 tokens at 12 -> 4 programs of two pairs, the second
+# pair's sink and ring between their pieces, and pieces of up to 14 steps (a program reaches
+# into a second pair only more than `_SWITCH_COST` = 8 units into it: 16 tiles a pair here).
 MGPU_CASES = [
     (128, 4, 1024, 12), (128, 1, 1024, 64), (128, 3, 100, 8), (128, 8, 480, 32), (128, 4, 992, 1024),
-    (64, 3, 1024, 10), (256, 4, 1024, 14), (256, 1, 480, 8)]
+    (64, 3, 1024, 10), (256, 4, 1024, 14), (256, 1, 480, 8), (64, 3, 4096, 12), (128, 4, 4096, 12)]
 
 
 # Boundary patterns 2 (lengths just past S0 + W: histories of 0, 1, 3 tokens) and 3 (full,
 # full - 1, and length 1): both at every D (at D = 256 across two cases) and at
 # slices_per_tile 2 (g = 3), one per case elsewhere (CI time: ~20 s a run on 2 cores).
-# MGPU_CASES[0] runs compiled only (pytest -m gpu); its programs spanning two pairs are
-# D = 64's and D = 256's here.
+# MGPU_CASES[0] and [9] run compiled only (pytest -m gpu); programs of two pairs: [8] (D = 64)
+# here, [9] (D = 128) compiled.
 MGPU_RUNS = [(MGPU_CASES[1], 3), (MGPU_CASES[2], 2), (MGPU_CASES[3], 3),
              (MGPU_CASES[4], 3), (MGPU_CASES[5], 2), (MGPU_CASES[5], 3), (MGPU_CASES[6], 2),
-             (MGPU_CASES[7], 3)]
+             (MGPU_CASES[7], 3), (MGPU_CASES[8], 3)]
 
 
 @pytest.mark.parametrize("case,pattern", MGPU_RUNS,
