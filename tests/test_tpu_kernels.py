@@ -41,7 +41,7 @@ class Config:
     hkv: int = 2
     sink: int = 16
     window: int = 64
-    hist: int = 256  # quantised history capacity (tokens)
+    hist: int = 256  # most history tokens a row holds (max_len - S0 - W; capacity: whole HIST_TILEs)
     quant: QuantConfig = QuantConfig()
     hist_rows: int | None = None  # None: through attend(implementation="pallas_tpu")
 
@@ -65,8 +65,9 @@ class Config:
         s0, w, tpb, full = self.sink, self.window, self.quant.tokens_per_byte, self.max_len
         edges = {self.c, s0, s0 + 1, s0 + w, s0 + w + 1, s0 + w + self.c, s0 + w + tpb - 1,
                  full - 1, full}
-        if self.hist_rows:
-            edges |= {s0 + w + self.hist_rows * tpb, s0 + w + self.hist_rows * tpb + 1}
+        if self.hist_rows:  # every history block's end, and one token past it
+            block = self.hist_rows * tpb
+            edges |= {s0 + w + k * block + e for k in range(1, -(-self.hist // block)) for e in (0, 1)}
         return sorted(n for n in edges if self.c <= n <= full)
 
 
@@ -85,9 +86,10 @@ def _draws(config: Config, n: int, seed: int):
 
 
 def _ci_cases():
-    """15 compilations x 4 draws = 60 cases over D 64/128/256, g 1/3/4/8, C 1/7/64,
+    """15 compilations x 4 draws = 60 cases over D 64/128/256, g 1/3/4/8, C 1/7/64, B 1-4,
     bits 2/4/8, G < D and G = D, both codebooks and metadata dtypes, no sink, no history,
-    several history blocks with a partial last one."""
+    several history blocks with a partial last one; and one case whose last block holds one
+    token."""
     q2, q2g, lm = QuantConfig(), QuantConfig(group_size=32), QuantConfig(codebook="lloyd_max")
     configs = [
         Config(64, 1, 1, hist=600, hist_rows=128),
@@ -97,7 +99,7 @@ def _ci_cases():
         Config(128, 1, 7, quant=QuantConfig(bits=8), hist=300, hist_rows=128),
         Config(128, 3, 1, quant=q2g, hist=600, hist_rows=128),
         Config(128, 4, 7, batch=3, hkv=1, quant=QuantConfig(scale_dtype="float32")),
-        Config(128, 8, 1, quant=lm),
+        Config(128, 8, 1, quant=lm, batch=1),
         Config(128, 4, 64, window=64, hist=1100, hist_rows=128),
         Config(128, 4, 7, sink=0, quant=q2g),
         Config(128, 3, 7, hist=0),
@@ -107,7 +109,8 @@ def _ci_cases():
         Config(256, 4, 1, hkv=1, batch=4, quant=QuantConfig(group_size=16)),
         Config(256, 8, 7, hkv=1, sink=64, window=32, quant=q2, hist=1024),
     ]
-    return [case for i, cfg in enumerate(configs) for case in _draws(cfg, 4, i)]
+    one_token_block = pytest.param(configs[0], (593, 81), 99, id=f"{configs[0]}-n593_81")  # 592 + 1
+    return [case for i, cfg in enumerate(configs) for case in _draws(cfg, 4, i)] + [one_token_block]
 
 
 def _slow_cases():
@@ -314,7 +317,7 @@ def test_kernels_lower_to_mosaic(config, chip):
 def test_interpret_flag_maps_to_checked_interpret_mode():
     p = ma.interpret_params(True)
     assert isinstance(p, ma.pltpu.InterpretParams)
-    assert p.detect_races and p.out_of_bounds_reads == "raise"
+    assert p.detect_races and p.out_of_bounds_reads == "raise" and p.num_cores_or_threads == 2
     assert ma.interpret_params(False) is None
 
 

@@ -71,11 +71,13 @@ class AttentionConfig:
 
 def interpret_params(interpret: bool | pltpu.InterpretParams) -> pltpu.InterpretParams | None:
     """The adapter's `interpret=True` -> TPU interpret mode with out-of-bounds reads
-    raising, race detection on and grid order along parallel axes randomised."""
+    raising, race detection on, grid order along parallel axes randomised and 2 simulated
+    cores (with one, programs run one after another and no race between them can show)."""
     if isinstance(interpret, pltpu.InterpretParams):
         return interpret
     if interpret:
-        return pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", random_seed=0)
+        return pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", random_seed=0,
+                                     num_cores_or_threads=2)
     return None
 
 
