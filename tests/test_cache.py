@@ -198,4 +198,5 @@ def test_layer_params_split_the_kernel_rotations_once():
         assert np.max(np.abs(hi + lo - want)) <= 2.0 ** -16 * np.max(np.abs(want))
         assert np.any(lo != 0)
     one = params.layer(1)
-    np.testing.assert_array_equal(np.asarray(one.query_rot_parts), np.asarray(params.query_rot_parts[1]))
+    for name in ("query_rot_parts", "output_rot_parts", "query_rot_stats"):
+        np.testing.assert_array_equal(np.asarray(getattr(one, name)), np.asarray(getattr(params, name)[1]))

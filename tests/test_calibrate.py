@@ -35,7 +35,8 @@ def planted(rng, b=2, t=48, key_spectrum_reversed=True):
 
 
 def stream(q, k, v, config=cal.CalibConfig(), chunks=3):
-    """Accumulate (q, k, v) in `chunks` pieces along the batch axis."""
+    """Accumulate (q, k, v) in `chunks` pieces along the batch axis (np.array_split: with
+    `planted`'s 2 rows and 3 chunks, one row each and an empty piece, which must add nothing)."""
     acc = cal.Accumulator.init(L, HKV, D, config)
     for idx in np.array_split(np.arange(q.shape[1]), chunks):
         acc = cal.accumulate(acc, q[:, idx], k[:, idx], v[:, idx])

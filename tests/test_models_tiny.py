@@ -190,8 +190,8 @@ def test_folded_values_decode_like_the_unfolded_pair(dual):
 
 
 def test_decode_compiles_once_for_64_tokens(gemma_like):
-    """OSCAR policy (OscarCache for global layers, RingCache for local ones): 64 calls of
-    the jitted decode step compile once; the while-loop decode compiles once, produces
+    """OSCAR policy (OscarCache for global layers, RingCache for local ones): 63 calls of
+    the jitted decode step (64 tokens with the prefill's) compile once; the while-loop decode compiles once, produces
     the same greedy tokens, and stops a row at its EOS without recompiling."""
     pol = kv_policy.QuantPolicy("oscar-small", kv_policy.QuantConfig(bits=2), 4, 8, clip_k=0.96, clip_v=0.92)
     n_new = 64
@@ -247,26 +247,30 @@ def test_sampling_follows_softmax_and_top_p():
 
 
 def test_policy_bits_per_element_from_their_formats(gemma_like):
-    """bits/element of each policy at n tokens, counted by hand from its format
-    (D = 32; 2 global layers hold n tokens, 4 sliding layers min(n, 8) bf16 tokens)."""
+    """bits/element of fp32, int4 and KIVI-2 at n tokens held, counted by hand from their
+    formats (D = 32; 2 global layers hold n tokens, 4 sliding layers min(n, 8) bf16 tokens),
+    in states of capacity 2n (bits follow the held tokens, not the capacity)."""
     cfg = gemma_like.cfg
-    n, d = 40, cfg.head_dim
+    d = cfg.head_dim
     full, slide = cfg.count("full_attention"), cfg.count("sliding_attention")
 
-    def bpe_of(name):  # bits depend on the held lengths only
-        kv = gen.init_state(gemma_like, kv_policy.make_policy(name), 1, n)
+    def bpe_of(name, n):
+        kv = gen.init_state(gemma_like, kv_policy.make_policy(name), 1, 2 * n)
         return kv_policy.bits_per_element(dataclasses.replace(kv, lengths=jnp.array([n], jnp.int32)))
 
-    held_slide = min(n, 8)
-
-    def mix(full_bits_per_token_sum):
+    def mix(n, full_bits_per_token_sum):
+        held_slide = min(n, 8)
         return (full * full_bits_per_token_sum + slide * 16 * held_slide) / (full * n + slide * held_slide)
 
-    assert bpe_of("fp32") == 32
+    n = 40
+    assert bpe_of("fp32", n) == 32
     # int4: no sink, a 1-token bf16 window, 4-bit codes + bf16 lo and scale per 32 channels.
-    assert bpe_of("int4") == pytest.approx(mix((n - 1) * (4 + 32 / d) + 16))
+    assert bpe_of("int4", n) == pytest.approx(mix(n, (n - 1) * (4 + 32 / d) + 16))
     # KIVI-2 (residual 128 > n): everything still in full precision.
-    assert bpe_of("kivi") == pytest.approx(mix(16 * n))
+    assert bpe_of("kivi", n) == pytest.approx(mix(n, 16 * n))
+    # KIVI-2 at 200: (200 - 128) // 32 = 2 groups of 32 tokens quantised, 2 bits + a bf16 scale and
+    # zero per 32 tokens (keys) or 32 channels (values): 3 bits a K or V element; 136 in bf16.
+    assert bpe_of("kivi", 200) == pytest.approx(mix(200, 64 * 3 + 136 * 16))
 
 
 def test_kivi_quantises_keys_per_channel_and_values_per_token():
@@ -294,6 +298,7 @@ def test_kivi_quantises_keys_per_channel_and_values_per_token():
     np.testing.assert_allclose(np.asarray(layer.k[0, 0, :32]), want_k, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(layer.v[0, 0, :32]), want_v, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(layer.k[0, 0, 32:165]), k0[32:])
+    np.testing.assert_array_equal(np.asarray(layer.v[0, 0, 32:165]), v0[32:])
     assert not np.allclose(want_k, k0[:32])
 
 

@@ -147,3 +147,4 @@ def test_quantize_traced_clip_under_jit():
     x = jnp.asarray(_data(4, 8, 16, 1.0, 0.0))
     f = jax.jit(lambda x, c: quant.dequantize(quant.quantize(x, cfg, c), cfg))
     np.testing.assert_array_equal(f(x, 0.9), quant.dequantize(quant.quantize(x, cfg, 0.9), cfg))
+    assert not np.array_equal(f(x, 0.9), f(x, 1.0))  # the traced clip is applied, not a constant

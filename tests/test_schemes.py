@@ -220,7 +220,8 @@ def test_fp8_stores_e4m3_with_per_head_scales_from_the_prompt():
     lengths = np.array([40, 29])
     k = grid_kv(rng, B, t + c, HKV, D)
     v = grid_kv(rng, B, t + c, HKV, D) * np.array([1.0, 0.125])[None, None, :, None]
-    k[1, 29:t] *= 100  # right padding of row 1: must not set its scale
+    k[1, 29:t] *= 100  # right padding of row 1: must not set its scales
+    v[1, 29:t] *= 100
     k[0, t + 1, 1, 5] = 60.0  # an appended outlier beyond 448 * scale
     layer = through_cache("fp8", k[:, :t], v[:, :t], lengths, (k[:, t:], v[:, t:]), c)
     assert layer.k.dtype == jnp.float8_e4m3fn and layer.v.dtype == jnp.float8_e4m3fn
@@ -254,11 +255,12 @@ def test_fp8_stores_e4m3_with_per_head_scales_from_the_prompt():
 
 
 def test_fp8_bits_per_element_is_8_plus_the_scales():
-    """8 bits per element plus, per row and KV head, one float32 scale over its D channels."""
+    """8 bits per element plus, per non-empty row and KV head, one float32 scale over its D
+    channels, over the tokens held (not the capacity, 400)."""
     state = ev.scheme_policy("fp8").init(CFG, B, 400)
-    held = jnp.array([300, 100], jnp.int32)
+    held = jnp.array([250, 0], jnp.int32)
     state = kv_policy.KVState(state.groups, held)
-    assert kv_policy.bits_per_element(state) == pytest.approx(8 + 32 * B / (D * 400))
+    assert kv_policy.bits_per_element(state) == pytest.approx(8 + 32 / (D * 250))
 
 
 def test_fp8_decode_loop_matches_stepwise_decode():
