@@ -77,4 +77,5 @@ def test_sequence_axis_of_each_history_array():
     specs = sharding.partition_specs(cache, mesh, {"batch": "data", "seq": "model"})
     assert specs.hist_codes_k == P("data", None, "model", None)
     assert specs.hist_codes_v == P("data", None, None, "model")
-    assert specs.hist_lo_v == P("data", None, None, None, "model")
+    for name in ("hist_lo_k", "hist_scale_k", "hist_lo_v", "hist_scale_v"):
+        assert getattr(specs, name) == P("data", None, None, None, "model"), name
