@@ -57,18 +57,22 @@ def full_logits(model):
     return _CACHE[key]
 
 
-def test_logits_match_transformers(model, full_logits):
-    name, _, _, z = model
-    pos, ids = z["logit_positions"], z["logit_ids"]
-    ours = np.take_along_axis(full_logits[pos], ids, axis=1)
-    max_diff = float(np.abs(ours - z["logit_values"]).max())
-    lse_diff = float(np.abs(jax.nn.logsumexp(full_logits, axis=-1) - z["logsumexp"]).max())
-    argmax_same = full_logits.argmax(-1) == z["logits_argmax"]
-    print(f"\n{name}: max|logit diff| = {max_diff:.3g} at {pos.tolist()} (512 ids each); "
-          f"max|logsumexp diff| = {lse_diff:.3g}; argmax identical at {argmax_same.sum()}/512")
+def _check_logits(name: str, logits: np.ndarray, z: dict, prefix: str = "") -> None:
+    """float32 logits [T, V] against a fixture's (keys `prefix`...): the logits of 512 token ids
+    at each of its positions, logsumexp and argmax at every position."""
+    pos, ids = z[prefix + "logit_positions"], z[prefix + "logit_ids"]
+    max_diff = float(np.abs(np.take_along_axis(logits[pos], ids, axis=1) - z[prefix + "logit_values"]).max())
+    lse_diff = float(np.abs(jax.nn.logsumexp(logits, axis=-1) - z[prefix + "logsumexp"]).max())
+    argmax_same = logits.argmax(-1) == z[prefix + "logits_argmax"]
+    print(f"\n{name}, {len(logits)} tokens: max|logit diff| = {max_diff:.3g} at {pos.tolist()} (512 ids each); "
+          f"max|logsumexp diff| = {lse_diff:.3g}; argmax identical at {argmax_same.sum()}/{len(logits)}")
     assert max_diff <= 2e-3
     assert lse_diff <= 2e-3
     assert argmax_same.all()
+
+
+def test_logits_match_transformers(model, full_logits):
+    _check_logits(model[0], full_logits, model[3])
 
 
 @pytest.mark.parametrize("model", ["gemma3"], indirect=True)
@@ -77,16 +81,7 @@ def test_sliding_window_logits_match_transformers(model):
     positions back (HF: q - k >= 512), which only positions from 512 on see; logits at 6
     positions (0, 511 and 512, 513, 640, 767 past the window), logsumexp and argmax at all 768."""
     name, decoder, _, z = model
-    logits = np.asarray(forward(decoder, jnp.asarray(z["sw_token_ids"])[None]))[0]
-    pos, ids = z["sw_logit_positions"], z["sw_logit_ids"]
-    max_diff = float(np.abs(np.take_along_axis(logits[pos], ids, axis=1) - z["sw_logit_values"]).max())
-    lse_diff = float(np.abs(jax.nn.logsumexp(logits, axis=-1) - z["sw_logsumexp"]).max())
-    argmax_same = logits.argmax(-1) == z["sw_logits_argmax"]
-    print(f"\n{name}, 768 tokens: max|logit diff| = {max_diff:.3g} at {pos.tolist()}; max|logsumexp diff| = "
-          f"{lse_diff:.3g}; argmax identical at {argmax_same.sum()}/768")
-    assert max_diff <= 2e-3
-    assert lse_diff <= 2e-3
-    assert argmax_same.all()
+    _check_logits(name, np.asarray(forward(decoder, jnp.asarray(z["sw_token_ids"])[None]))[0], z, "sw_")
 
 
 @pytest.mark.parametrize("model", ["smollm2"], indirect=True)
