@@ -191,8 +191,9 @@ def test_folded_values_decode_like_the_unfolded_pair(dual):
 
 def test_decode_compiles_once_for_64_tokens(gemma_like):
     """OSCAR policy (OscarCache for global layers, RingCache for local ones): 63 calls of
-    the jitted decode step (64 tokens with the prefill's) compile once; the while-loop decode compiles once, produces
-    the same greedy tokens, and stops a row at its EOS without recompiling."""
+    the jitted decode step (64 tokens with the prefill's) compile once; the while-loop decode
+    compiles once, produces the same greedy tokens, and stops a row at its EOS without
+    recompiling."""
     pol = kv_policy.QuantPolicy("oscar-small", kv_policy.QuantConfig(bits=2), 4, 8, clip_k=0.96, clip_v=0.92)
     n_new = 64
     kv = gen.init_state(gemma_like, pol, 2, 8 + n_new)

@@ -109,7 +109,9 @@ def _ci_cases():
         Config(256, 4, 1, hkv=1, batch=4, quant=QuantConfig(group_size=16)),
         Config(256, 8, 7, hkv=1, sink=64, window=32, quant=q2, hist=1024),
     ]
-    one_token_block = pytest.param(configs[0], (593, 81), 99, id=f"{configs[0]}-n593_81")  # 592 + 1
+    first = configs[0]  # a row whose second history block holds one token, beside a short row
+    n = first.sink + first.window + first.hist_rows * first.quant.tokens_per_byte + 1
+    one_token_block = pytest.param(first, (n, first.sink + first.window + 1), 99, id=f"{first}-n{n}_one_past_block")
     return [case for i, cfg in enumerate(configs) for case in _draws(cfg, 4, i)] + [one_token_block]
 
 
