@@ -205,7 +205,8 @@ def calibrate(
     at_edge = int(np.sum(result.clip_k <= grid[0]) + np.sum(result.clip_v <= grid[0])) if clips == "fit" else 0
     if at_edge:
         console.print(f"[yellow]{at_edge} of {2 * len(run.layers)} fitted ratios sit at the grid's lowest "
-                      f"value {grid[0]}: the optimum may lie below it (lower --clip-min)[/yellow]")
+                      f"value {grid[0]}: the fit's optimum may lie below it (--clip-min; a lower floor helps "
+                      f"some recipes and hurts others on held-out text: README)[/yellow]")
     console.print(f"calibration wall time: {run.seconds:.1f} s (forwards + statistics), "
                   f"{fit_s:.1f} s (rotations + clip fit); artifact: {out}")
     if time_forward:
