@@ -278,6 +278,50 @@ def _load_columns(ref, scales: tuple[int, ...], *, interpret: bool) -> jax.Array
     return load(ref)
 
 
+def _zero_accumulator(shape: tuple[int, int]) -> jax.Array:
+    """int32 zeros `shape` (WGMMA layout), each register set by a mov of its own (compiled
+    only). ptxas issues an accumulator's first MMA as D = A B only where it sees each register
+    set to 0; a scoped accumulator's registers are copies of one zero register, and for all but
+    one of the step's accumulators it moved those zeros in every step (24 moves a step)."""
+    layout = fa.WGMMA_LAYOUT
+
+    @plgpu.inline_mgpu(return_type=plgpu.ShapeDtypeStruct(shape, jnp.int32, layout=plgpu.Layout.WGMMA))
+    def zeros(ctx):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        vec = ir.VectorType.get((layout.vector_length,), i32)
+        regs = np.empty(layout.registers_shape(shape), dtype=object)
+        for idx in np.ndindex(regs.shape):
+            v = llvm.mlir_undef(vec)
+            for e in range(layout.vector_length):
+                zero = mgpu.utils.inline_ptx("mov.b32 $0, 0;", result_types=i32, has_side_effects=True)
+                v = llvm.insertelement(v, zero, arith.constant(i32, e))
+            regs[idx] = v
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=True)
+
+    return zeros()
+
+
+def _accumulate(body, shapes, outs=(), *, interpret: bool):
+    """Fresh int32 [M, 16] accumulators of `shapes` (WGMMA layout), body(acc_refs) issuing the
+    MMAs and returning arrays shaped like `outs` (computed while the MMAs run), one wait ->
+    (the accumulators' values, body's arrays). Compiled, through `pl.run_state` from
+    `_zero_accumulator`s (body's arrays written to refs that start as `outs`); interpreted,
+    through `pl.run_scoped` (the GPU interpreter cannot lower run_state's accumulators)."""
+    if interpret:
+        def scoped(*acc_refs):
+            values = body(acc_refs)
+            return [ref[...] for ref in acc_refs], values
+        return pl.run_scoped(scoped, *[plgpu.ACC(shape, jnp.int32) for shape in shapes])
+
+    def state(refs):
+        acc_refs, out_refs = refs
+        for ref, value in zip(out_refs, body(acc_refs), strict=True):
+            ref[...] = value
+
+    return pl.run_state(state)(([plgpu.ACC.init(_zero_accumulator(shape)) for shape in shapes], list(outs)))
+
+
 def _warpgroup_barrier(*, interpret: bool) -> None:
     """All 4 warps of this warpgroup meet (the kernel runs without Pallas's automatic
     barriers, `unsafe_no_auto_barriers`: see `_kernel`)."""
@@ -452,7 +496,8 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
     # program and its partials): pieces of one or two (batch row, KV head) pairs. The last
     # block's spare warpgroups compute the last program again and write nothing.
     first_at, counts_at = line.table_offsets
-    wg = lax.axis_index("wg") if warpgroups > 1 else 0
+    # (a traced 0 at one warpgroup: `pl.run_state` cannot close over refs indexed by a Python int)
+    wg = lax.axis_index("wg") if warpgroups > 1 else lax.axis_index("block") * 0
     flat = lax.axis_index("block") * warpgroups + wg
     program = jnp.minimum(flat, line.programs - 1)
     writes = flat < line.programs
@@ -575,18 +620,18 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
                 w_max = functools.reduce(jnp.maximum, [mt[3] for mt in meta])
                 return plgpu.load(cv_smem.at[slot], layout=codes_layout), meta, w_max  # V codes [D, 64]
 
-            def qk(*acc_refs):
+            def qk(acc_refs):
                 """Per tile: its slices' codes times [q_hi | q_lo] placed in the slice's column block
-                (one N = 16 int8 MMA per slice into one [64, 16] accumulator per tile), waited on
-                once; the metadata and the V codes are loaded after that wait (in program order)."""
+                (one N = 16 int8 MMA per slice into one [64, 16] accumulator per tile)."""
                 for t in range(n_tiles):
                     for j in range(packed):
                         plgpu.wgmma(acc_refs[t], a_operand(packed_k, t * packed + j, stage_k, scaled=True),
                                     q_smem.at[j].T)
-                return [acc_ref[...] for acc_ref in acc_refs], load_rest()
+                return ()
 
-            with jax.named_scope("qk"):
-                accs, (packed_v, meta, w_max) = pl.run_scoped(qk, *[plgpu.ACC((_ROWS, 2 * _N), jnp.int32)] * n_tiles)
+            with jax.named_scope("qk"):  # the metadata and the V codes are loaded after the MMAs' wait
+                accs, _ = _accumulate(qk, [(_ROWS, 2 * _N)] * n_tiles, interpret=interpret)
+                packed_v, meta, w_max = load_rest()
             with jax.named_scope("softmax"):
                 scores = []
                 for t in range(n_tiles):
@@ -629,15 +674,15 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
                     lo_part = lo_part + p * meta[t][2] + _CODE_MID * w_errors[t]
                 return l_part, lo_part
 
-            def pv(acc_ref):
-                """out^T [D, 16] = V codes^T times [w_hi | w_lo], one N = 16 MMA per slice."""
+            def pv(acc_refs):
+                """out^T [D, 16] = V codes^T times [w_hi | w_lo], one N = 16 MMA per slice; the
+                partial sums while the MMAs run."""
                 for s in range(_TPB):
-                    plgpu.wgmma(acc_ref, a_operand(packed_v, s, stage_v, scaled=packed > 1), w_smem.at[s].T)
-                sums = partial_sums(l_part, lo_part)  # while the MMAs run
-                return acc_ref[...], sums
+                    plgpu.wgmma(acc_refs[0], a_operand(packed_v, s, stage_v, scaled=packed > 1), w_smem.at[s].T)
+                return partial_sums(l_part, lo_part)
 
             with jax.named_scope("pv"):
-                pv_acc, sums = pl.run_scoped(pv, plgpu.ACC((head_dim, 2 * _N), jnp.int32))
+                (pv_acc,), sums = _accumulate(pv, [(head_dim, 2 * _N)], (l_part, lo_part), interpret=interpret)
             pv_raw = (pv_acc[:, :_N] * int(_W_LO) + pv_acc[:, _N:]).astype(jnp.float32)
             acc = acc * by_col(alpha, (head_dim, _N)) + pv_raw * by_col(w_step, (head_dim, _N))
             return (acc, m_new, *sums)
