@@ -381,9 +381,9 @@ def _lower_for_h200(fn, args):
 # a pair (pieces of up to 4 steps at 1024 tokens); 32-1024 -> each pair in 2-4 pieces (3-5
 # partials with its sink and ring); 4096 tokens at 12 -> 4 programs of two pairs, the second
 # pair's sink and ring between their pieces, and pieces of up to 14 steps (a program reaches
-# into a second pair only more than `_SWITCH_COST` = 8 units into it: 16 tiles a pair here).
+# into a second pair only more than `_SWITCH_COST` = 5 units into it: 16 tiles a pair here).
 MGPU_CASES = [
-    (128, 4, 1024, 12), (128, 1, 1024, 64), (128, 3, 100, 8), (128, 8, 480, 32), (128, 4, 992, 1024),
+    (128, 4, 1024, 12), (128, 1, 1024, 64), (128, 3, 100, 8), (128, 8, 480, 48), (128, 4, 992, 1024),
     (64, 3, 1024, 10), (256, 4, 1024, 14), (256, 1, 480, 8), (64, 3, 4096, 12), (128, 4, 4096, 12)]
 
 
@@ -442,19 +442,20 @@ def test_mgpu_schedule():
     that make at most the target."""
     schedule = mixed_attention_mgpu.schedule
     loads = lambda line: np.diff(line.bounds)
-    wg, buffers, line = schedule(64, 512, 128, dense_blocks=5)  # B8 H8 128K: 395 of 396 slots
-    assert (wg, buffers, line.dense, line.programs, loads(line).max()) == (3, 2, 4, 395, 85)
+    wg, buffers, line = schedule(64, 512, 128, dense_blocks=5)  # B8 H8 128K: 396 of 396 slots
+    assert (wg, buffers, line.dense, line.programs, loads(line).max()) == (3, 2, 6, 396, 85)
+    assert loads(line)[::3].max() == 84  # warpgroup 0's programs one unit shorter
     wg, buffers, line = schedule(8, 512, 128, dense_blocks=5)  # B1 128K
-    assert (wg, line.programs, loads(line).max()) == (3, 376, 11)
+    assert (wg, line.programs, loads(line).max()) == (3, 384, 11)
     wg, buffers, line = schedule(64, 1, 128, dense_blocks=5)  # short histories: few programs, 1 a block
     assert (wg, buffers, line.programs) == (1, 3, 128)
     wg, buffers, line = schedule(8, 128, 256, dense_blocks=5)  # D = 256: one a block, at most 1024
-    assert (wg, buffers, line.programs, loads(line).max()) == (1, 3, 520, 4)
+    assert (wg, buffers, line.programs, loads(line).max()) == (1, 3, 520, 6)
     wg, buffers, line = schedule(64, 512, 128, warpgroups=1, buffers=2, target_programs=128)
     assert (wg, buffers, line.programs, loads(line).max()) == (1, 2, 128, 256)
-    # 2 units each would make 16 programs (the cuts moved out of the sinks and rings): 3
+    # 3 units each would make 16 programs (the cuts moved out of the sinks and rings): 4
     wg, buffers, line = schedule(8, 1, 128, dense_blocks=2, warpgroups=1, target_programs=12)
-    assert (line.programs, loads(line).max()) == (8, 3)
+    assert (line.programs, loads(line).max()) == (8, 4)
     for bad in (0, 3):
         with pytest.raises(ValueError, match="warpgroups"):
             schedule(8, 4, 256 if bad else 128, warpgroups=bad)
@@ -465,6 +466,8 @@ def test_mgpu_schedule():
         mixed_attention_mgpu.WorkLine.cut(4, 3, 2, 6)
     with pytest.raises(ValueError, match="switch"):
         mixed_attention_mgpu.WorkLine.cut(4, 3, 2, 2, -1)
+    with pytest.raises(ValueError, match="shorter"):
+        mixed_attention_mgpu.WorkLine.cut(4, 3, 2, 2, 0, (2, 0, 0))
 
 
 @settings(max_examples=200, deadline=None)
@@ -472,14 +475,17 @@ def test_mgpu_schedule():
 def test_work_line_covers_every_unit_once(pairs, tiles, dense, data):
     """WorkLine against a direct enumeration: every history tile of every pair is in exactly
     one program's piece and every sink and ring in exactly one program, never cut; programs
-    touch at most two pairs and take at most per_program units (more only for a sink and ring
-    longer than that, fewer by up to `switch` where they reach into a second pair); a pair's
-    pieces take partials 0, 1, ... in program order and its sink and ring the last of its
-    `tables` count; `table` lays the three end to end at `table_offsets`."""
+    touch at most two pairs and program k takes at most per_program - shorter[k % len(shorter)]
+    units (more only for a sink and ring longer than that, fewer by up to `switch` where they
+    reach into a second pair); a pair's pieces take partials 0, 1, ... in program order and its
+    sink and ring the last of its `tables` count; `table` lays the three end to end at
+    `table_offsets`."""
     unit = tiles + dense
-    per_program = data.draw(st.integers(1, unit))
+    shorter = tuple(data.draw(st.lists(st.integers(0, 2), max_size=3)))
+    per_program = data.draw(st.integers(min(unit, 1 + max(shorter, default=0)), unit))
+    shorter = shorter if per_program > max(shorter, default=0) else ()
     switch = data.draw(st.integers(0, unit))
-    line = mixed_attention_mgpu.WorkLine.cut(pairs, tiles, dense, per_program, switch)
+    line = mixed_attention_mgpu.WorkLine.cut(pairs, tiles, dense, per_program, switch, shorter)
     bounds, first, counts = line.tables()
     table, (first_at, counts_at) = line.table(), line.table_offsets  # the kernels' one constant
     assert table.dtype == np.int32 and len(table) == counts_at + pairs
@@ -490,7 +496,8 @@ def test_work_line_covers_every_unit_once(pairs, tiles, dense, data):
     parts = [[] for _ in range(pairs)]
     for k in range(line.programs):
         u0, u1 = int(bounds[k]), int(bounds[k + 1])
-        assert u1 > u0 and (u1 - u0 <= per_program or u1 - u0 <= dense)
+        most = per_program - (shorter[k % len(shorter)] if shorter else 0)
+        assert u1 > u0 and (u1 - u0 <= most or u1 - u0 <= dense)
         n = int(line.pieces(np.int64(u0), np.int64(u1)))
         touched = {u // unit for u in range(u0, u1)}
         assert n == len(touched) <= 2

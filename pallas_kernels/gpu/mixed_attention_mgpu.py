@@ -109,16 +109,23 @@ _SLICE_SCALE = (1, 4, 1, 4)
 _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
 _REDUCTION_SCRATCH = 512  # f32 per warpgroup: a cross-warp reduction of [R, 16] (4 warps x 32 lanes x 4)
 _MAX_SCRATCH = 32  # f32: one [64, 8] array of a `_max_rows` (4 lane groups x 4 warps x 2 columns)
-# Work of a 64-token bf16 block of the sink or ring, in 256-token history steps (work-line
-# units): session 8's estimate (~2 us a block against ~2.4 us a step). The session-10 A/B puts
-# it nearer 1.3 (the 128K kernel 3.3 us longer), but 1.3, together with earlier first loads,
-# timed the same (bench/results/kernels_session10_h200.json, run 3).
-_DENSE_TILE_COST = 0.8
-# Work-line units a program that reaches into a second pair gives up (`WorkLine.cut`): the
-# second piece's start (its q, its first tiles) and the first one's store. H200, B8 H32/8
-# 128K, one run (bench/results/kernels_session14_ab_h200.json): 0 took 0.2199 ms, 6 0.2150,
-# 8 0.2137, 10 0.2136, 12 0.2154, 16 0.2157; at 32K and B1 128K 8 timed as 0 (within 0.4%).
-_SWITCH_COST = 8
+# The work line's costs, in units of a 256-token history step (~2.1 us, H200, B8 H32/8 D128
+# 128K). A 64-token bf16 block of the sink or ring: the timelines of sessions 18 and 21 fit a
+# sink and ring of 5 blocks at 10.6-12.5 us (bench/results/timeline_session18_h200.json).
+_DENSE_TILE_COST = 1.2
+# Units a program that reaches into a second pair gives up (`WorkLine.cut`): the second piece's
+# start (its q, its first tiles, an empty pipeline) and the first one's store, fitted at ~4.4 us
+# besides its sink and ring, its tiles ~4% slower than a first piece's.
+_SWITCH_COST = 5
+# Units by which each warpgroup's programs are shorter: in every call of both timelines the
+# programs of warpgroup 0 ended ~0.9 us after warpgroup 1's and those of warpgroup 2 ~1.0 us
+# before (cause not known). These three against the earlier 0.8, 8 and none: the 128K call
+# 0.1988 / 0.1987 ms against 0.1994 / 0.1992 (kernel 191.1-191.2 against 191.9 us; H200, jax
+# 0.11.2, 2.28 bits/element, same run, two rounds: bench/results/kernels_session38_ab_h200.json).
+# Only where programs hold at least _SHORTER_FROM units: the offsets were measured on programs
+# of 85, and are ~0.5% of a program's time.
+_WARPGROUP_SHORTER = (1, 0, 0)
+_SHORTER_FROM = 64
 
 
 def _code_shift(s: int, scaled: bool) -> tuple[int, int]:
@@ -768,19 +775,25 @@ class WorkLine:
         return len(self.bounds) - 1
 
     @classmethod
-    def cut(cls, pairs: int, tiles: int, dense: int, per_program: int, switch: int = 0) -> "WorkLine":
-        """Programs of per_program units (the last one fewer), each cut that would fall inside
-        a sink and ring moved to before it (or after it where the program would be empty);
-        a program that reaches into a second pair is `switch` units shorter (its second
-        piece's start and its first piece's end cost time of their own)."""
+    def cut(cls, pairs: int, tiles: int, dense: int, per_program: int, switch: int = 0,
+            shorter: tuple[int, ...] = ()) -> "WorkLine":
+        """Programs of per_program units (the last one fewer), program k shorter by
+        shorter[k % len(shorter)] where given (a block's warpgroups run at different paces),
+        each cut that would fall inside a sink and ring moved to before it (or after it where
+        the program would be empty); a program that reaches into a second pair is `switch`
+        units shorter (its second piece's start and its first piece's end cost time of their
+        own)."""
         unit, total = dense + tiles, pairs * (dense + tiles)
-        if min(pairs, tiles) < 1 or dense < 0 or switch < 0 or not 1 <= per_program <= unit:
+        most = max(shorter, default=0)
+        if min(pairs, tiles) < 1 or dense < 0 or switch < 0 or min(shorter, default=0) < 0 or \
+                not 1 + most <= per_program <= unit:
             raise ValueError(f"pairs={pairs}, tiles={tiles}, dense={dense}, per_program={per_program}, "
-                             f"switch={switch}: expected pairs, tiles >= 1, dense, switch >= 0 and "
-                             f"1 <= per_program <= {unit}")
+                             f"switch={switch}, shorter={shorter}: expected pairs, tiles >= 1, dense, switch, "
+                             f"shorter >= 0 and {1 + most} <= per_program <= {unit}")
         bounds = [0]
         while bounds[-1] < total:
-            end = min(bounds[-1] + per_program, total)
+            k = len(bounds) - 1
+            end = min(bounds[-1] + per_program - (shorter[k % len(shorter)] if shorter else 0), total)
             base = end // unit * unit
             if bounds[-1] < base < end:  # two pairs
                 end = max(base, end - switch)
@@ -833,19 +846,21 @@ def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: in
     warpgroups: 3 at D <= 128 when the work makes more programs than one wave of 2 per SM
     holds (target 3 x SMs), else 1 (target 2 x SMs at D <= 128, 1024 at D = 256: shared
     memory holds one D = 256 program of 118 KB). Programs: the fewest units each (at most a
-    pair's) that `WorkLine.cut` makes into at most the target.
+    pair's) that `WorkLine.cut` makes into at most the target; at 3 per block and at least
+    `_SHORTER_FROM` units a program, each warpgroup's programs `_WARPGROUP_SHORTER` units shorter.
     buffers: 2 at 3 per block (204.7 against 208.1 us with 3, 128K kernel; and the only
     depth there: see `mixed_attention`'s shared-memory union), else 3."""
     sms = sm_count()
     dense = math.ceil(_DENSE_TILE_COST * dense_blocks)
     unit, total = tiles + dense, rows_and_heads * (tiles + dense)
 
-    def line_for(target: int) -> WorkLine:
+    def line_for(target: int, shorter: tuple[int, ...] = ()) -> WorkLine:
         per_program = min(unit, -(-total // target))
-        line = WorkLine.cut(rows_and_heads, tiles, dense, per_program, _SWITCH_COST)
+        shorter = shorter if per_program >= _SHORTER_FROM else ()
+        line = WorkLine.cut(rows_and_heads, tiles, dense, per_program, _SWITCH_COST, shorter)
         while line.programs > target and per_program < unit:  # the moved cuts added some
             per_program += 1
-            line = WorkLine.cut(rows_and_heads, tiles, dense, per_program, _SWITCH_COST)
+            line = WorkLine.cut(rows_and_heads, tiles, dense, per_program, _SWITCH_COST, shorter)
         return line
 
     if warpgroups is None:
@@ -861,7 +876,7 @@ def schedule(rows_and_heads: int, tiles: int, head_dim: int, *, dense_blocks: in
                          "warpgroups (the sink and ring's buffers then overlay each warpgroup's own code buffers)")
     if target_programs is None:
         target_programs = warpgroups * sms if warpgroups > 1 else 2 * sms if head_dim <= 128 else 1024
-    line = line_for(target_programs)
+    line = line_for(target_programs, _WARPGROUP_SHORTER if warpgroups == _WARPGROUPS else ())
     return warpgroups, buffers, line
 
 
