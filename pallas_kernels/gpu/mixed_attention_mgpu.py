@@ -117,13 +117,13 @@ _DENSE_TILE_COST = 1.2
 # start (its q, its first tiles, an empty pipeline) and the first one's store, fitted at ~4.4 us
 # besides its sink and ring, its tiles ~4% slower than a first piece's.
 _SWITCH_COST = 5
-# Units by which each warpgroup's programs are shorter: in every call of both timelines the
-# programs of warpgroup 0 ended ~0.9 us after warpgroup 1's and those of warpgroup 2 ~1.0 us
-# before (cause not known). These three against the earlier 0.8, 8 and none: the 128K call
-# 0.1988 / 0.1987 ms against 0.1994 / 0.1992 (kernel 191.1-191.2 against 191.9 us; H200, jax
-# 0.11.2, 2.28 bits/element, same run, two rounds: bench/results/kernels_session38_ab_h200.json).
-# Only where programs hold at least _SHORTER_FROM units: the offsets were measured on programs
-# of 85, and are ~0.5% of a program's time.
+# Units by which each warpgroup's programs are shorter: in each of the 8 calls of the session
+# 17-18 timelines the median program of warpgroup 0 ended 0.3-1.1 us after warpgroup 1's and
+# warpgroup 2's 0.8-1.8 us before (cause not known). These three against the earlier 0.8, 8 and
+# none: the 128K call 0.1988 / 0.1987 ms against 0.1994 / 0.1992 (kernel 191.1-191.2 against
+# 191.9 us; H200, jax 0.11.2, 2.28 bits/element, same run, two rounds:
+# bench/results/kernels_session38_ab_h200.json). Only where programs hold at least
+# _SHORTER_FROM units: the offsets were measured on programs of 85 and are ~0.5% of one.
 _WARPGROUP_SHORTER = (1, 0, 0)
 _SHORTER_FROM = 64
 
