@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import types
@@ -168,15 +167,20 @@ def modelled_end(model: dict, line) -> float:
     return float((model["start"][:len(x)] + x @ model["coef"] + model["residual"][:len(x)]).max())
 
 
+# The work line's costs when the timelines without a "line" entry were made (sessions 17-18):
+# a sink and ring of 4 units, a switch of 8, no warpgroup offsets.
+_SAVED_DENSE_UNITS, _SAVED_SWITCH = 4, 8
+
+
 def saved_line(saved: dict):
     """The WorkLine of a saved timeline: its "line" entry, or (files before it had one) the
-    B8 H8 line of its --seq at the bench's sink 64 and ring 256, checked against its bounds."""
+    B8 H8 line of its --seq at the bench's sink 64 and ring 256 and that time's costs, checked
+    against its bounds."""
     if "line" in saved:
         return mm.WorkLine(**saved["line"], bounds=tuple(saved["bounds"]))
     tiles = -(-(saved["seq"] - 64 - 256) // (mm._ROWS * mm._TPB))
-    dense = math.ceil(mm._DENSE_TILE_COST * mm._dense_blocks(64, 256)[1])
     bounds = tuple(saved["bounds"])
-    line = mm.WorkLine.cut(64, tiles, dense, bounds[1] - bounds[0], mm._SWITCH_COST)
+    line = mm.WorkLine.cut(64, tiles, _SAVED_DENSE_UNITS, bounds[1] - bounds[0], _SAVED_SWITCH)
     if line.bounds != bounds:
         raise ValueError("the saved bounds are not the B8 H8 line of its --seq: give the file a 'line' entry")
     return line

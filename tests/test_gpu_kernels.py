@@ -945,6 +945,20 @@ def test_timeline_patch_applies_and_summarises(timeline):
     assert (pieces["second"]["us_per_tile"], pieces["second"]["fixed_us"]) == (2.5, 5.0)
 
 
+def test_timeline_rebuilds_the_lines_of_saved_timelines(timeline):
+    """bench/timeline.py --model on the committed timelines of sessions 17-18, which hold no
+    "line" entry: `saved_line` rebuilds their work line with that time's costs (not the
+    module's current ones) and its bounds match the saved ones."""
+    import json
+    import pathlib
+
+    results = pathlib.Path(__file__).parents[1] / "bench" / "results"
+    for session in (17, 18):
+        saved = json.loads((results / f"timeline_session{session}_h200.json").read_text())
+        line = timeline.saved_line(saved)
+        assert line.bounds == tuple(saved["bounds"]) and (line.pairs, line.dense, line.programs) == (64, 4, 394)
+
+
 def test_timeline_line_model_recovers_its_costs(timeline):
     """bench/timeline.py --model: programs timed as 4 us + 2 us a tile + 9 us a sink and ring
     + 7 us a second piece + 1 us on warpgroup 0 - 0.5 us on warpgroup 2 - 1.5 us for a
