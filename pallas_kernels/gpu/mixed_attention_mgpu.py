@@ -114,8 +114,9 @@ _MAX_SCRATCH = 32  # f32: one [64, 8] array of a `_max_rows` (4 lane groups x 4 
 # sink and ring of 5 blocks at 10.6-12.5 us (bench/results/timeline_session18_h200.json).
 _DENSE_TILE_COST = 1.2
 # Units a program that reaches into a second pair gives up (`WorkLine.cut`): the second piece's
-# start (its q, its first tiles, an empty pipeline) and the first one's store, fitted at ~4.4 us
-# besides its sink and ring, its tiles ~4% slower than a first piece's.
+# start (its q, its first tiles, an empty pipeline) and the first one's store, which fits of
+# those timelines put at 4-10 us besides its sink and ring; 5, with the costs beside it, timed
+# best of the lines tried (the A/B below).
 _SWITCH_COST = 5
 # Units by which each warpgroup's programs are shorter: in each of the 8 calls of the session
 # 17-18 timelines the median program of warpgroup 0 ended 0.3-1.1 us after warpgroup 1's and
