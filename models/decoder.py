@@ -1,18 +1,23 @@
 """One Flax NNX decoder for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/3)
 and Gemma 3, with config-driven variation (`ModelConfig`).
 
-Weights are stacked over layers ([L, ...]) and the forward scans over blocks of
-`cfg.layer_period` layers (1 for Llama, 6 for Gemma 3: 5 sliding + 1 global),
-so compile time does not grow with depth. The KV cache is never module state:
-it is an explicit `KVState` argument and return value (see `kv_policy`).
+Each layer owns its weight arrays (`Block`) and the forward runs the layers one after
+another. Two things make that the fast layout for serving (docs/ARCHITECTURE.md,
+"Serving"): every matmul reads its weight where it lies (a layer-stacked weight read
+through a slice inside `lax.scan` is copied first), and every layer's KV cache is its own
+buffer, appended to in place. Each layer is an inner `jax.jit` function, so JAX traces and
+lowers one layer of each kind once, whatever the depth. The KV cache is never module
+state: it is an explicit `KVState` argument and return value (see `kv_policy`).
 
-Projection weights are stored as `x @ W` ([in, out]); norm weights as the
-effective multiplier (Gemma's `1 + w` already added).
+Projection weights are stored as `x @ W` ([in, out]); norm weights as the effective
+multiplier (Gemma's `1 + w` already added). float32 weights multiply at HIGHEST precision
+(the parity path); bf16 weights at the default (bf16 MMAs, float32 accumulation).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Literal
 
@@ -25,12 +30,12 @@ from oscar_jax import calibrate
 from oscar_jax.models import kv_policy
 from oscar_jax.models.config import LayerType, ModelConfig
 
-Mode = Literal["forward", "prefill", "step"]
-_KINDS: tuple[LayerType, ...] = ("full_attention", "sliding_attention")
+Mode = Literal["forward", "step"]
+PREFILL_CHUNK_TOKENS = 4096  # tokens per step of a prefill's token-wise work (projections, MLP)
 
 
 def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Per-layer parameter shapes (without the leading L) of `LayerStack`."""
+    """Per-layer parameter shapes of `Block`."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes = {"attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
@@ -46,22 +51,17 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _is_norm(name: str) -> bool:
-    return name.endswith("norm")
-
-
-class LayerStack(nnx.Module):
-    """All layers' weights, stacked: each parameter is [L, *layer_param_shapes[name]]."""
+class Block(nnx.Module):
+    """One decoder layer's weights: parameter `name` has shape `layer_param_shapes(cfg)[name]`."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         for name, shape in layer_param_shapes(cfg).items():
-            full = (cfg.num_layers, *shape)
-            if _is_norm(name):
-                value = jnp.ones(full, dtype)
+            if name.endswith("norm"):
+                value = jnp.ones(shape, dtype)
             elif name.startswith("b"):
-                value = jnp.zeros(full, dtype)
+                value = jnp.zeros(shape, dtype)
             else:
-                value = (0.02 * jax.random.normal(rngs.params(), full, jnp.float32)).astype(dtype)
+                value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
             setattr(self, name, nnx.Param(value))
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -85,22 +85,43 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
+def matmul(a: jax.Array, w: jax.Array) -> jax.Array:
+    """a [..., K] @ w [K, N]: HIGHEST precision for float32 weights, the default for bf16."""
+    return jnp.dot(a, w, precision=jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None)
+
+
+def prompt_attention_implementation(q: jax.Array, implementation: str = "auto") -> str:
+    """"cudnn" (flash attention: no [T, T] scores) or "xla" for `causal_attention`. "auto"
+    takes cuDNN on a GPU for bf16/fp16 queries of head dim <= 256 (a multiple of 8)."""
+    if implementation not in ("auto", "cudnn", "xla"):
+        raise ValueError(f"implementation={implementation!r}: expected 'auto', 'cudnn' or 'xla'")
+    if implementation != "auto":
+        return implementation
+    d = q.shape[-1]
+    fits = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and d <= 256 and d % 8 == 0
+    return "cudnn" if fits else "xla"
+
+
 def causal_attention(q, k, v, lengths, *, softmax_scale: float, window: int | None,
-                     query_block: int = 2048):
+                     implementation: str = "auto", query_block: int = 2048):
     """Full-precision attention over a whole (right-padded) prompt.
 
     q [B, T, Hq, D], k, v [B, T, Hkv, D], lengths int32 [B]: query t sees keys
     s <= t with s < lengths[b] (and t - s < window for sliding layers).
-    Returns o [B, T, Hq, D]. Prompts longer than `query_block` are attended one
-    block of queries after another (`lax.map`), so scores take [B, Hq, query_block,
-    S]: S = T keys for full layers, only the query_block + window - 1 it can see
-    for sliding ones.
+    Returns o [B, T, Hq, D]. "cudnn" runs cuDNN's flash attention. "xla" attends prompts
+    longer than `query_block` one block of queries after another (`lax.map`), so scores
+    take [B, Hq, query_block, S]: S = T keys for full layers, only the query_block + window
+    - 1 it can see for sliding ones.
     """
+    local = None if window is None else (window - 1, 0)
+    if prompt_attention_implementation(q, implementation) == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, scale=softmax_scale, is_causal=True,
+                                            key_value_seq_lengths=lengths, local_window_size=local,
+                                            implementation="cudnn")
     b, t, hq, d = q.shape
     if t <= query_block:
-        return jax.nn.dot_product_attention(
-            q, k, v, scale=softmax_scale, is_causal=True, key_value_seq_lengths=lengths,
-            local_window_size=None if window is None else (window - 1, 0))
+        return jax.nn.dot_product_attention(q, k, v, scale=softmax_scale, is_causal=True,
+                                            key_value_seq_lengths=lengths, local_window_size=local)
     nb = -(-t // query_block)
     tail = nb * query_block - t
     qb = jnp.pad(q, ((0, 0), (0, tail), (0, 0), (0, 0)))
@@ -126,6 +147,112 @@ def causal_attention(q, k, v, lengths, *, softmax_scale: float, window: int | No
     return jnp.moveaxis(o, 0, 1).reshape(b, nb * query_block, hq, d)[:, :t]
 
 
+# ----------------------------------------------------------------------------
+# One layer, split where its token-wise work meets attention
+
+
+def project_qkv(cfg: ModelConfig, kind: LayerType, w: dict, x: jax.Array, positions: jax.Array):
+    """Pre-norm, q/k/v projections (+ bias, qk-norm) and RoPE: x [B, T, H], positions [B, T]
+    -> q [B, T, Hq, D], k, v [B, T, Hkv, D] (post-RoPE)."""
+    b, t, _ = x.shape
+    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
+    q, k, v = matmul(h, w["wq"]), matmul(h, w["wk"]), matmul(h, w["wv"])
+    if cfg.attention_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    q, k, v = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
+    inv_freq = jnp.asarray(cfg.inv_freq(kind), jnp.float32)
+    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+
+
+def output_and_mlp(cfg: ModelConfig, w: dict, x: jax.Array, o: jax.Array) -> jax.Array:
+    """Attention output projection, residual and MLP block: x [B, T, H], o [B, T, Hq, D] -> x."""
+    b, t, _ = x.shape
+    o = matmul(o.reshape(b, t, -1).astype(x.dtype), w["wo"])
+    if cfg.output_bias:
+        o = o + w["bo"]
+    if cfg.post_norms:
+        o = rms_norm(o, w["post_attn_norm"], cfg.rms_eps)
+    x = x + o
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
+    gate = matmul(h, w["w_gate"])
+    act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    m = matmul(act * matmul(h, w["w_up"]), w["w_down"])
+    if cfg.post_norms:
+        m = rms_norm(m, w["post_mlp_norm"], cfg.rms_eps)
+    return x + m
+
+
+def _window(cfg: ModelConfig, kind: LayerType) -> int | None:
+    return cfg.sliding_window if kind == kv_policy.SLIDING else None
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kind", "capture", "kv_dtype", "exact_prefix"))
+def _forward_layer(w, x, positions, lengths, *, cfg: ModelConfig, kind: LayerType, capture: bool,
+                   kv_dtype, exact_prefix: int):
+    """A layer of a full forward (no cache): x [B, T, H] -> (x, (q, k, v) or None)."""
+    q, k, v = project_qkv(cfg, kind, w, x, positions)
+    attend = lambda k, v: causal_attention(q, k, v, lengths, softmax_scale=cfg.softmax_scale,
+                                           window=_window(cfg, kind))
+    if kv_dtype is None:
+        o = attend(k, v)
+    else:
+        o = attend(*(a.astype(kv_dtype).astype(a.dtype) for a in (k, v)))
+        if exact_prefix:
+            o = jnp.where((positions < exact_prefix)[:, :, None, None], attend(k, v), o)
+    return output_and_mlp(cfg, w, x, o), ((q, k, v) if capture else None)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kind"))
+def _step_layer(w, x, positions, layer_kv, *, cfg: ModelConfig, kind: LayerType):
+    """A layer of extend/decode: append the new tokens' k, v to `layer_kv` first, then attend.
+    x [B, C, H], positions [B, C] -> (x, layer_kv)."""
+    q, k, v = project_qkv(cfg, kind, w, x, positions)
+    o, layer_kv = kv_policy.append_attend(layer_kv, q, k, v, softmax_scale=cfg.softmax_scale)
+    return output_and_mlp(cfg, w, x, o), layer_kv
+
+
+def _tokenwise(fn, inputs: tuple[jax.Array, ...], chunk: int):
+    """fn over `inputs` ([B, T, ...] each) `chunk` tokens at a time; returns fn's outputs
+    ([B, T, ...] each, a tuple, or one array). Token-wise work only (nothing mixes tokens),
+    so peak memory follows the chunk, not T."""
+    t = inputs[0].shape[1]
+    if t <= chunk:
+        return fn(*inputs)
+    n = -(-t // chunk)
+    padded = tuple(jnp.pad(a, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (a.ndim - 2)) for a in inputs)
+    piece = lambda i: tuple(jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=1) for a in padded)
+    shapes = jax.eval_shape(fn, *piece(0))
+    outs = jax.tree.map(lambda s: jnp.zeros((s.shape[0], n * chunk, *s.shape[2:]), s.dtype), shapes)
+
+    def body(i, outs):
+        return jax.tree.map(lambda o, y: jax.lax.dynamic_update_slice_in_dim(o, y, i * chunk, axis=1),
+                            outs, fn(*piece(i)))
+
+    outs = jax.lax.fori_loop(0, n, body, outs)
+    return jax.tree.map(lambda o: o[:, :t], outs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kind", "chunk", "attention"),
+                   donate_argnames=("x", "layer_kv"))
+def prefill_layer(w, x, lengths, layer_kv, *, cfg: ModelConfig, kind: LayerType, chunk: int,
+                  attention: str = "auto"):
+    """One layer of a prefill: x [B, T, H] (right-padded prompts, lengths int32 [B]) -> (x, layer_kv
+    holding the prompts' k, v). Projections and MLP run `chunk` tokens at a time; attention is
+    full precision over the whole prompt (`causal_attention`, flash attention on a GPU); the
+    layer's k, v go into its cache before the next layer runs. x and layer_kv are donated."""
+    b, t, _ = x.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q, k, v = _tokenwise(functools.partial(project_qkv, cfg, kind, w), (x, positions), chunk)
+    # In the basis of the layer's attention outputs (`fold_values`).
+    o = causal_attention(q, k, kv_policy.values_in_output_basis(layer_kv, v), lengths,
+                         softmax_scale=cfg.softmax_scale, window=_window(cfg, kind), implementation=attention)
+    layer_kv = kv_policy.write_prompt(layer_kv, k, v, lengths)
+    return _tokenwise(functools.partial(output_and_mlp, cfg, w), (x, o), chunk), layer_kv
+
+
 @dataclasses.dataclass(frozen=True)
 class Captured:
     """Per-layer activations of a forward, layer-stacked: q [L, B, T, Hq, D],
@@ -142,7 +269,7 @@ jax.tree_util.register_dataclass(Captured, data_fields=["q", "k", "v"], meta_fie
 class Decoder(nnx.Module):
     """Token ids -> hidden states -> logits, with the KV cache passed explicitly.
 
-    embed [V, H]; layers: `LayerStack`; final_norm [H]; lm_head [H, V] or None (tied).
+    embed [V, H]; layers: one `Block` per layer; final_norm [H]; lm_head [H, V] or None (tied).
     values_folded: the full-attention layers' output projections hold R_Vᵀ (`fold_values`; the
     fingerprint of that rotation in folded_rotation).
     """
@@ -151,7 +278,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.values_folded, self.folded_rotation = False, ""
         self.embed = nnx.Param((0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(dtype))
-        self.layers = LayerStack(cfg, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             (0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size))).astype(dtype))
@@ -169,7 +296,8 @@ class Decoder(nnx.Module):
         """Final norm + LM head: hidden [..., H] -> float32 logits [..., V]."""
         h = rms_norm(hidden, self.final_norm[...], self.cfg.rms_eps)
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(h, w, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+        precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        return jnp.dot(h, w, preferred_element_type=jnp.float32, precision=precision)
 
     # ------------------------------------------------------------------ body
 
@@ -181,12 +309,11 @@ class Decoder(nnx.Module):
         tokens, positions: int32 [B, T]. mode:
           "forward": full-precision causal attention over the prompt (`lengths` [B]
              masks right padding; defaults to T); no cache.
-          "prefill": the same attention, then one bulk write of each layer's
-             post-RoPE k, v into `kv` (replacing its contents).
           "step":    extend/decode: append the T new tokens to `kv` FIRST, then
              attend over the cache (T <= the policy's chunk limit).
+        (Prefill, full-precision attention then a bulk cache write, is `generate.prefill`.)
         Returns (hidden [B, T, H], kv or None, Captured or None). With
-        capture_qkv, Captured holds every layer's post-RoPE q, k, v.
+        capture_qkv ("forward"), Captured holds every layer's post-RoPE q, k, v.
         kv_dtype ("forward" only): round each layer's post-RoPE k, v to this dtype
         before attention, as a dense cache of that dtype would store them; queries at
         positions < exact_prefix still see them unrounded, as they do in a prefill
@@ -194,102 +321,40 @@ class Decoder(nnx.Module):
         """
         cfg = self.cfg
         b, t = tokens.shape
-        if mode != "forward" and kv is None:
-            raise ValueError(f"mode={mode!r} needs a KVState (kv=...)")
-        if kv_dtype is not None and mode != "forward":
-            raise ValueError(f"kv_dtype={kv_dtype!r} applies to mode='forward' only, not {mode!r}")
-        self._check_output_basis(mode, kv)
+        if mode not in ("forward", "step"):
+            raise ValueError(f"mode={mode!r}: expected 'forward' or 'step' (prefill is generate.prefill)")
+        if mode == "step" and kv is None:
+            raise ValueError("mode='step' needs a KVState (kv=...)")
+        if (kv_dtype is not None or capture_qkv) and mode != "forward":
+            raise ValueError("kv_dtype and capture_qkv apply to mode='forward' only")
+        self.check_output_basis(mode, kv)
+        x = self.embed_tokens(tokens)
+        if mode == "step":
+            layers = list(kv.layers)
+            for i, kind in enumerate(cfg.layer_types):
+                x, layers[i] = _step_layer(self.layers[i].arrays(), x, positions, layers[i], cfg=cfg, kind=kind)
+            return x, dataclasses.replace(kv, layers=tuple(layers), lengths=kv.lengths + t), None
         if lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
-        x = self.embed_tokens(tokens)
-        p = cfg.layer_period
-        n_blocks = cfg.num_layers // p
-        block_kinds = cfg.layer_types[:p]
-        weights = jax.tree.map(lambda w: w.reshape(n_blocks, p, *w.shape[1:]), self.layers.arrays())
-        inv_freq = {kind: jnp.asarray(cfg.inv_freq(kind), jnp.float32) for kind in _KINDS}
+        caps = []
+        for i, kind in enumerate(cfg.layer_types):
+            x, cap = _forward_layer(self.layers[i].arrays(), x, positions, lengths, cfg=cfg, kind=kind,
+                                    capture=capture_qkv, kv_dtype=kv_dtype, exact_prefix=exact_prefix)
+            caps.append(cap)
+        captured = Captured(*(jnp.stack(a) for a in zip(*caps))) if capture_qkv else None
+        return x, None, captured
 
-        def block(carry, xs):
-            x, groups = carry
-            block_w, j = xs
-            caps = []
-            seen = {kind: 0 for kind in _KINDS}
-            for m, kind in enumerate(block_kinds):
-                w = jax.tree.map(lambda a: a[m], block_w)
-                idx = j * block_kinds.count(kind) + seen[kind]
-                seen[kind] += 1
-                layer_kv = None if groups is None else kv_policy.layer_view(groups, kind, idx)
-                x, layer_kv, cap = self._layer(w, kind, x, positions, inv_freq[kind], mode, layer_kv, lengths,
-                                               kv_dtype, exact_prefix)
-                if groups is not None:
-                    groups = kv_policy.layer_update(groups, kind, idx, layer_kv)
-                caps.append(cap)
-            stacked = jax.tree.map(lambda *a: jnp.stack(a), *caps) if capture_qkv else None
-            return (x, groups), stacked
-
-        groups = None if kv is None else kv.groups
-        (x, groups), caps = jax.lax.scan(block, (x, groups), (weights, jnp.arange(n_blocks)))
-        captured = None
-        if capture_qkv:
-            captured = Captured(*(a.reshape(cfg.num_layers, *a.shape[2:]) for a in caps))
-        new_kv = None
-        if kv is not None:
-            new_len = lengths if mode == "prefill" else kv.lengths + t
-            new_kv = dataclasses.replace(kv, groups=groups, lengths=new_len)
-        return x, new_kv, captured
-
-    def _check_output_basis(self, mode: Mode, kv) -> None:
+    def check_output_basis(self, mode: str, kv) -> None:
         """A folded decoder (`fold_values`) runs with a policy that returns its full-attention
         outputs in the R_V basis, an unfolded one with any other: the two must agree."""
-        group = None if kv is None else kv.groups.get(kv_policy.FULL)
-        rotated = isinstance(group, kv_policy.OscarGroup) and group.params.v_folded
+        full = [] if kv is None else kv.of_kind(self.cfg, kv_policy.FULL)
+        rotated = bool(full) and isinstance(full[0], kv_policy.OscarLayer) and full[0].params.v_folded
         if self.values_folded and mode == "forward":
             raise ValueError("mode='forward' on a decoder with R_V folded into its output projections "
                              "(fold_values): it runs prefill and step, with its folded OSCAR cache")
         if kv is not None and rotated != self.values_folded:
             raise ValueError(f"kv: the full-attention layers' params have v_folded={rotated}, the decoder "
                              f"values_folded={self.values_folded}: fold both or neither (fold_values)")
-
-    def _layer(self, w, kind: LayerType, x, positions, inv_freq, mode: Mode, layer_kv, lengths,
-               kv_dtype=None, exact_prefix: int = 0):
-        """One decoder layer: x [B, T, H] -> (x, layer_kv, (q, k, v))."""
-        cfg = self.cfg
-        b, t, _ = x.shape
-        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        hi = jax.lax.Precision.HIGHEST
-        mm = lambda a, m: jnp.dot(a, m, precision=hi)
-        h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
-        q, k, v = mm(h, w["wq"]), mm(h, w["wk"]), mm(h, w["wv"])
-        if cfg.attention_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        q, k, v = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
-        if cfg.qk_norm:
-            q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
-        window = cfg.sliding_window if kind == "sliding_attention" else None
-        attend = lambda k, v: causal_attention(q, k, v, lengths, softmax_scale=cfg.softmax_scale, window=window)
-        if mode == "step":
-            o, layer_kv = kv_policy.append_attend(layer_kv, q, k, v, softmax_scale=cfg.softmax_scale)
-        elif kv_dtype is not None:
-            o = attend(*(a.astype(kv_dtype).astype(a.dtype) for a in (k, v)))
-            if exact_prefix:
-                o = jnp.where((positions < exact_prefix)[:, :, None, None], attend(k, v), o)
-        else:  # prefill: in the basis of the layer's attention outputs (`fold_values`)
-            o = attend(k, kv_policy.values_in_output_basis(layer_kv, v))
-            if mode == "prefill":
-                layer_kv = kv_policy.write_prompt(layer_kv, k, v, lengths)
-        o = mm(o.reshape(b, t, hq * d).astype(x.dtype), w["wo"])
-        if cfg.output_bias:
-            o = o + w["bo"]
-        if cfg.post_norms:
-            o = rms_norm(o, w["post_attn_norm"], cfg.rms_eps)
-        x = x + o
-        h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
-        gate = mm(h, w["w_gate"])
-        act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-        m = mm(act * mm(h, w["w_up"]), w["w_down"])
-        if cfg.post_norms:
-            m = rms_norm(m, w["post_mlp_norm"], cfg.rms_eps)
-        return x + m, layer_kv, (q, k, v)
 
 
 def forward_logits(model: Decoder, tokens: jax.Array, lengths: jax.Array | None = None,
@@ -306,8 +371,8 @@ def forward_logits(model: Decoder, tokens: jax.Array, lengths: jax.Array | None 
 
 def fold_values(model: Decoder, policy) -> tuple[Decoder, object]:
     """(model, policy) -> the pair serving with R_Vᵀ folded into the full-attention layers'
-    output projections (DESIGN §1.2): attention then returns o_rot = o R_V and skips its
-    back-rotation (on the GPU kernel path `decode_finish` only merges). A policy without
+    output projections (docs/method.md, "Online"): attention then returns o_rot = o R_V and
+    skips its back-rotation (on the GPU kernel path `decode_finish` only merges). A policy without
     OSCAR-cache layers (not a `kv_policy.QuantPolicy`, or a model with no full-attention
     layer) comes back unchanged, as does a pair already folded; a pair folded on one side only
     is refused, and so (for a model that is not float32) is a non-orthogonal R_V.
@@ -328,15 +393,14 @@ def fold_values(model: Decoder, policy) -> tuple[Decoder, object]:
         return model, policy
     policy = dataclasses.replace(policy, values_folded=True)
     params = policy.params(cfg)
-    wo = model.layers.wo[...]  # [L, Hq D, H]
-    if params.dual_v is not None and wo.dtype != jnp.float32:
-        raise ValueError(f"fold_values: the policy's R_V is not orthogonal and wo is {wo.dtype}: attention's "
-                         f"{wo.dtype} o_rot times a wo holding R_V^-1 would magnify its rounding; fold float32 "
+    full = [i for i, kind in enumerate(cfg.layer_types) if kind == kv_policy.FULL]
+    if params.dual_v is not None and model.layers[full[0]].wo.dtype != jnp.float32:
+        raise ValueError(f"fold_values: the policy's R_V is not orthogonal and wo is {model.layers[full[0]].wo.dtype}: "
+                         "attention's o_rot times a wo holding R_V^-1 would magnify its rounding; fold float32 "
                          "models only (or serve unfolded)")
-    full = np.array([i for i, kind in enumerate(cfg.layer_types) if kind == kv_policy.FULL])
     folded = nnx.clone(model)  # new variables over the same arrays
-    fold = jax.vmap(calibrate.fold_output_projection)  # over the full-attention layers
-    folded.layers.wo[...] = wo.at[full].set(fold(wo[full], params.output_rot))
+    for j, i in enumerate(full):
+        folded.layers[i].wo[...] = calibrate.fold_output_projection(model.layers[i].wo[...], params.output_rot[j])
     folded.values_folded, folded.folded_rotation = True, rotation_digest(params)
     return folded, policy
 

@@ -1,12 +1,13 @@
 """Prefill, extend and a jitted decode loop over any KV policy.
 
-- `prefill`: full-precision causal attention over the (right-padded) prompts,
-  then one bulk write of every layer's k, v into the cache.
+- `prefill`: layer by layer, full-precision causal attention over the (right-padded)
+  prompts (flash attention on a GPU), then a bulk write of that layer's k, v into its
+  cache; projections and MLP in token chunks, so memory follows one layer, not the model.
 - `extend`: C teacher-forced tokens per sequence through the cache
   (append-then-attend; C <= the policy's chunk limit) -> logits for all C.
 - `decode_step` / `decode`: one token, or a `lax.while_loop` of tokens, with
   greedy or temperature/top-p sampling from an explicit PRNG key; the cache is
-  donated and nothing returns to the host until the loop ends.
+  donated and updated in place, and the host sees the loop only between segments.
 All take the `Decoder` as a pytree argument, so the same compiled code serves
 every model of one architecture.
 """
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax.models import kv_policy
-from oscar_jax.models.decoder import Decoder, rotation_digest
+from oscar_jax.models.decoder import PREFILL_CHUNK_TOKENS, Decoder, prefill_layer, rotation_digest
 
 NO_TOKEN = -1  # filler after a sequence stopped
 
@@ -72,19 +73,50 @@ def init_state(model: Decoder, policy, batch: int, max_len: int, chunk: int = 1)
     return policy.init(model.cfg, batch, max_len, chunk)
 
 
-@functools.partial(jax.jit, donate_argnames=("kv",))
-def _prefill(model: Decoder, kv, tokens, lengths):
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    with jax.named_scope("prefill"):
-        hidden, kv, _ = model(tokens, positions, mode="prefill", kv=kv, lengths=lengths)
-    last = hidden[jnp.arange(b), lengths - 1]
-    return model.logits(last), kv
+@jax.jit
+def _embed(model: Decoder, tokens):
+    return model.embed_tokens(tokens)
 
 
-def prefill(model: Decoder, kv: kv_policy.KVState, tokens, lengths) -> tuple[jax.Array, kv_policy.KVState]:
+@jax.jit
+def _last_logits(model: Decoder, hidden, lengths):
+    """hidden [B, T, H] -> float32 logits [B, V] of each row's last held position."""
+    return model.logits(hidden[jnp.arange(hidden.shape[0]), lengths - 1])
+
+
+def _prefill_args(model: Decoder, kv, i: int, x, lengths, chunk_tokens: int, attention: str):
+    """(args, static kwargs) of layer i's `prefill_layer` call."""
+    cfg = model.cfg
+    kwargs = dict(cfg=cfg, kind=cfg.layer_types[i], chunk=max(1, chunk_tokens // x.shape[0]), attention=attention)
+    return (model.layers[i].arrays(), x, lengths, kv.layers[i]), kwargs
+
+
+def compile_prefill(model: Decoder, kv: kv_policy.KVState, tokens, lengths, *,
+                    chunk_tokens: int = PREFILL_CHUNK_TOKENS, attention: str = "auto") -> dict:
+    """Compile `prefill`'s layer programs ahead of time for these shapes (one per distinct
+    layer signature): pass the result as `prefill(..., programs=...)`."""
+    b, t = np.shape(tokens)
+    x = jax.ShapeDtypeStruct((b, t, model.cfg.hidden_size), model.embed.dtype)
+    programs = {}
+    for i in range(model.cfg.num_layers):
+        args, kwargs = _prefill_args(model, kv, i, x, jnp.asarray(lengths, jnp.int32), chunk_tokens, attention)
+        key = (kwargs["kind"], jax.tree.structure(args[3]))
+        if key not in programs:
+            programs[key] = prefill_layer.lower(*args, **kwargs).compile()
+    return programs
+
+
+def prefill(model: Decoder, kv: kv_policy.KVState, tokens, lengths, *, chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+            attention: str = "auto", programs: dict | None = None) -> tuple[jax.Array, kv_policy.KVState]:
     """tokens int32 [B, T] right-padded, lengths int32 [B] in [1, T] ->
-    (float32 logits [B, V] of each prompt's last token, kv holding the prompts). kv is donated."""
+    (float32 logits [B, V] of each prompt's last token, kv holding the prompts). kv is donated.
+
+    Layer by layer (`decoder.prefill_layer`): full-precision attention over the whole prompt
+    (`attention`: "auto" is cuDNN's flash attention on a GPU, see `causal_attention`), each
+    layer's k, v written into its cache before the next layer runs, projections and MLP
+    `chunk_tokens` tokens (over the batch) at a time. Peak memory: weights + cache + one
+    layer's prompt q, k, v and output + one chunk's activations. programs: from
+    `compile_prefill` (else each layer program compiles on first use)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
     b = kv.lengths.shape[0]
@@ -95,7 +127,14 @@ def prefill(model: Decoder, kv: kv_policy.KVState, tokens, lengths) -> tuple[jax
         raise ValueError(f"lengths={n.tolist()}: expected [B={b}] ints in [1, T={tokens.shape[1]}]")
     _check_vocab(model, tokens)
     kv_policy.check_fits(kv, n)
-    return _prefill(model, kv, tokens, lengths)
+    model.check_output_basis("prefill", kv)
+    x = _embed(model, tokens)
+    layers = list(kv.layers)
+    for i in range(model.cfg.num_layers):
+        args, kwargs = _prefill_args(model, kv, i, x, lengths, chunk_tokens, attention)
+        program = None if programs is None else programs.get((kwargs["kind"], jax.tree.structure(args[3])))
+        x, layers[i] = program(*args) if program is not None else prefill_layer(*args, **kwargs)
+    return _last_logits(model, x, lengths), kv_policy.KVState(tuple(layers), lengths)
 
 
 def _step_logits(model: Decoder, kv, tokens):
@@ -130,40 +169,59 @@ def decode_step(model: Decoder, kv, tokens, key, sampling: Sampling = Sampling()
     return sample(logits[:, 0], key, sampling), logits[:, 0], kv
 
 
-@functools.partial(jax.jit, donate_argnames=("kv",), static_argnames=("max_new_tokens", "sampling"))
-def _decode(model: Decoder, kv, first, key, eos, max_new_tokens: int, sampling: Sampling):
+DECODE_SEGMENT = 64  # steps per call of the compiled loop: the host sees Ctrl-C between calls
+
+
+def _loop_start(first, eos, max_new_tokens: int):
+    """The decode loop's state: (next column i, last token [B], tokens out [B, max_new_tokens],
+    done [B], count [B]), with `first` in column 0."""
     b = first.shape[0]
     out = jnp.full((b, max_new_tokens), NO_TOKEN, jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos)
-    count = jnp.ones((b,), jnp.int32)
+    return jnp.int32(1), first, out, jnp.isin(first, eos), jnp.ones((b,), jnp.int32)
+
+
+@functools.partial(jax.jit, donate_argnames=("kv", "loop"), static_argnames=("sampling",))
+def _decode(model: Decoder, kv, loop, key, stop, eos, sampling: Sampling):
+    """Run the decode loop from its column i up to column `stop` (traced: every segment of a
+    decode reuses one program) or until every row is done. Returns (loop, key, kv)."""
 
     def cond(s):
-        i, _, _, _, _, done, _ = s
-        return (i < max_new_tokens) & ~jnp.all(done)
+        (i, _, _, done, _), _, _ = s
+        return (i < stop) & ~jnp.all(done)
 
     def body(s):
-        i, tok, kv, key, out, done, count = s
+        (i, tok, out, done, count), kv, key = s
         key, sub = jax.random.split(key)
         with jax.named_scope("decode_step"):
             logits, kv = _step_logits(model, kv, tok[:, None])
         nxt = sample(logits[:, 0], sub, sampling)
         out = out.at[:, i].set(jnp.where(done, NO_TOKEN, nxt))
         count = count + (~done).astype(jnp.int32)
-        done = done | jnp.isin(nxt, eos)
-        return i + 1, nxt, kv, key, out, done, count
+        return (i + 1, nxt, out, done | jnp.isin(nxt, eos), count), kv, key
 
-    _, _, kv, _, out, _, count = jax.lax.while_loop(cond, body, (1, first, kv, key, out, done, count))
-    return out, count, kv
+    loop, kv, key = jax.lax.while_loop(cond, body, (loop, kv, key))
+    return loop, key, kv
+
+
+def compile_decode(model: Decoder, kv: kv_policy.KVState, key, *, max_new_tokens: int,
+                   sampling: Sampling = Sampling(), eos_ids: Sequence[int] = ()):
+    """`decode`'s loop program compiled ahead of time (pass it as `decode(..., program=...)`);
+    kv may be abstract (`jax.eval_shape`)."""
+    first = jax.ShapeDtypeStruct(kv.lengths.shape, jnp.int32)
+    loop = jax.eval_shape(functools.partial(_loop_start, max_new_tokens=max_new_tokens), first, _eos_array(eos_ids))
+    return _decode.lower(model, kv, loop, key, jnp.int32(0), _eos_array(eos_ids), sampling).compile()
 
 
 def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens: int,
-           sampling: Sampling = Sampling(), eos_ids: Sequence[int] = ()):
-    """Generate up to `max_new_tokens` tokens per sequence in one compiled loop.
+           sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (), program=None):
+    """Generate up to `max_new_tokens` tokens per sequence in a compiled loop.
 
     first int32 [B]: the first new token (sampled from prefill's logits); it is
     fed to the cache, and so on. Stops per sequence after an EOS id, globally
-    when all stopped. Returns (tokens int32 [B, max_new_tokens], `first` in
-    column 0, NO_TOKEN after a stop; count int32 [B] tokens generated incl. EOS; kv).
+    when all stopped. The loop runs `DECODE_SEGMENT` steps per call (one program for every
+    call), so a KeyboardInterrupt stops it within a segment. Returns (tokens int32
+    [B, max_new_tokens], `first` in column 0, NO_TOKEN after a stop; count int32 [B]
+    tokens generated incl. EOS; kv). kv is donated. program: from `compile_decode`.
     """
     first = jnp.asarray(first, jnp.int32)
     if max_new_tokens < 1:
@@ -171,7 +229,17 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
     if first.shape != kv.lengths.shape:
         raise ValueError(f"first.shape={first.shape}: expected [B={kv.lengths.shape[0]}]")
     kv_policy.check_fits(kv, np.asarray(kv.lengths) + max_new_tokens - 1)
-    return _decode(model, kv, first, key, _eos_array(eos_ids), max_new_tokens, sampling)
+    eos = _eos_array(eos_ids)
+    run = functools.partial(_decode, sampling=sampling) if program is None else program
+    loop = _loop_start(first, eos, max_new_tokens)
+    i = 1
+    while i < max_new_tokens:
+        i = min(i + DECODE_SEGMENT, max_new_tokens)
+        loop, key, kv = run(model, kv, loop, key, jnp.int32(i), eos)
+        if bool(jnp.all(loop[3])):
+            break
+    _, _, out, _, count = loop
+    return out, count, kv
 
 
 def _eos_array(eos_ids: Sequence[int]) -> jax.Array:
@@ -223,17 +291,16 @@ def generate(model: Decoder, policy, prompts: Sequence[Sequence[int]], *, max_ne
     kv = init_state(model, policy, len(prompts), max_len)
     prefill_key, decode_key = jax.random.split(key)
     t0 = time.perf_counter()
-    prefill_c = _prefill.lower(model, kv, tokens, lengths).compile()
-    kv_after = jax.eval_shape(lambda *a: _prefill(*a)[1], model, kv, tokens, lengths)
-    first_abs = jax.ShapeDtypeStruct((len(prompts),), jnp.int32)
-    eos_arr = _eos_array(eos)
-    decode_c = _decode.lower(model, kv_after, first_abs, decode_key, eos_arr, max_new_tokens, sampling).compile()
+    prefill_programs = compile_prefill(model, kv, tokens, lengths)
+    decode_program = compile_decode(model, kv, decode_key, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    eos_ids=eos)
     t1 = time.perf_counter()
-    logits, kv = prefill_c(model, kv, tokens, lengths)
+    logits, kv = prefill(model, kv, tokens, lengths, programs=prefill_programs)
     first = sample(logits, prefill_key, sampling)
     first.block_until_ready()
     t2 = time.perf_counter()
-    out, count, kv = decode_c(model, kv, first, decode_key, eos_arr)
+    out, count, kv = decode(model, kv, first, decode_key, max_new_tokens=max_new_tokens, sampling=sampling,
+                            eos_ids=eos, program=decode_program)
     out = np.asarray(out)
     t3 = time.perf_counter()
     new = [out[i, :c].tolist() for i, c in enumerate(np.asarray(count))]

@@ -115,9 +115,9 @@ def build_decoder(cfg: ModelConfig, get: Callable[[str], np.ndarray], fmt: str, 
     for param in GLOBAL_NAMES:
         if param in pure and pure[param] is not None:
             pure[param] = place(fetch(checkpoint_name(cfg, param, fmt), pure[param].shape, param))
-    for param, shape in layer_param_shapes(cfg).items():
-        pure["layers"][param] = place(np.stack(
-            [fetch(checkpoint_name(cfg, param, fmt, i), shape, param) for i in range(cfg.num_layers)]))
+    for i in range(cfg.num_layers):
+        for param, shape in layer_param_shapes(cfg).items():
+            pure["layers"][i][param] = place(fetch(checkpoint_name(cfg, param, fmt, i), shape, param))
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
@@ -129,10 +129,9 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     out[checkpoint_name(cfg, "final_norm", "hf")] = _from_decoder(cfg, "final_norm", model.final_norm[...])
     if model.lm_head is not None:
         out[checkpoint_name(cfg, "lm_head", "hf")] = _from_decoder(cfg, "lm_head", model.lm_head[...])
-    for param, value in model.layers.arrays().items():
-        value = np.asarray(value)
-        for i in range(cfg.num_layers):
-            out[checkpoint_name(cfg, param, "hf", i)] = _from_decoder(cfg, param, value[i])
+    for i, block in enumerate(model.layers):
+        for param, value in block.arrays().items():
+            out[checkpoint_name(cfg, param, "hf", i)] = _from_decoder(cfg, param, np.asarray(value))
     return out
 
 

@@ -143,9 +143,10 @@ class OscarCache:
     spec: CacheSpec = _static()
 
     @classmethod
-    def init(cls, spec: CacheSpec) -> "OscarCache":
-        """An empty layer-stacked cache (all lengths 0)."""
-        lb = (spec.num_layers, spec.batch, spec.kv_heads)
+    def init(cls, spec: CacheSpec, *, stacked: bool = True) -> "OscarCache":
+        """An empty cache (all lengths 0): layer-stacked, or one layer's (no L axis) when not
+        `stacked` (then `spec.num_layers` is ignored)."""
+        lb = ((spec.num_layers,) if stacked else ()) + (spec.batch, spec.kv_heads)
         tpb = spec.quant.tokens_per_byte
         rows = spec.hist_capacity // tpb
         bf = lambda n: jnp.zeros((*lb, n, spec.head_dim), STORE_DTYPE)
@@ -156,7 +157,7 @@ class OscarCache:
             hist_codes_v=jnp.zeros((*lb, spec.head_dim, rows), jnp.uint8),
             hist_lo_k=meta(), hist_scale_k=meta(), hist_lo_v=meta(), hist_scale_v=meta(),
             recent_k=bf(spec.window), recent_v=bf(spec.window),
-            lengths=jnp.zeros(lb[:2], jnp.int32), overflow=jnp.zeros(lb[:2], bool),
+            lengths=jnp.zeros(lb[:-1], jnp.int32), overflow=jnp.zeros(lb[:-1], bool),
             spec=spec,
         )
 
@@ -200,9 +201,10 @@ class RingCache:
     spec: RingSpec = _static()
 
     @classmethod
-    def init(cls, spec: RingSpec) -> "RingCache":
-        shape = (spec.num_layers, spec.batch, spec.kv_heads, spec.capacity, spec.head_dim)
-        lb = (spec.num_layers, spec.batch)
+    def init(cls, spec: RingSpec, *, stacked: bool = True) -> "RingCache":
+        """An empty ring: layer-stacked, or one layer's (no L axis) when not `stacked`."""
+        lb = ((spec.num_layers,) if stacked else ()) + (spec.batch,)
+        shape = (*lb, spec.kv_heads, spec.capacity, spec.head_dim)
         return cls(jnp.zeros(shape, STORE_DTYPE), jnp.zeros(shape, STORE_DTYPE),
                    jnp.zeros(lb, jnp.int32), spec)
 

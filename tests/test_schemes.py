@@ -129,7 +129,7 @@ def through_cache(name, k, v, lengths, extra, chunk, calibrated=None):
     """Prefill-style bulk write of k, v [B, T, Hkv, D] (rows `lengths` long), then one
     appended chunk `extra` = (k, v) [B, C, Hkv, D], into layer LAYER of the scheme's cache."""
     state = ev.scheme_policy(name, kv_policy.oscar_policy(calibrated)).init(CFG, B, 400, chunk)
-    layer = kv_policy.layer_view(state.groups, kv_policy.FULL, LAYER)
+    layer = state.layers[LAYER]
     layer = _write(layer, jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths, jnp.int32))
     q = np.random.default_rng(5).standard_normal((B, chunk, HQ, D)).astype(np.float32)
     _, layer = _append(layer, jnp.asarray(q), *(jnp.asarray(x) for x in extra))
@@ -200,7 +200,7 @@ def test_kivi2_groups_and_residual_match_numpy():
         assert q_len == (128 if b == 0 else 96)
         kb, vb = kb.transpose(1, 0, 2), vb.transpose(1, 0, 2)  # [H, n, D], exact
         groups = kb[:, :q_len].reshape(HKV, q_len // 32, 32, D).swapaxes(-1, -2)  # [H, g, D, 32 tokens]
-        got_k, got_v = np.asarray(layer.k[b, :, :n]), np.asarray(layer.v[b, :, :n])
+        got_k, got_v = (np.asarray(x[b, :n]).transpose(1, 0, 2) for x in (layer.k, layer.v))  # [H, n, D]
         got_groups = got_k[:, :q_len].reshape(groups.shape[:2] + (32, D)).swapaxes(-1, -2)
         want_k = np_quant_either(got_groups, groups, 2).swapaxes(-1, -2).reshape(HKV, q_len, D)
         want_v = np_quant_either(got_v[:, :q_len].reshape(HKV, q_len, D // 32, 32),
@@ -227,7 +227,7 @@ def test_fp8_stores_e4m3_with_per_head_scales_from_the_prompt():
     assert layer.k.dtype == jnp.float8_e4m3fn and layer.v.dtype == jnp.float8_e4m3fn
 
     for which, x, amax_to in (("k", k, 200.0), ("v", v, 100.0)):
-        stored = np.asarray(getattr(layer, which)).astype(np.float32)  # [B, H, T, D]
+        stored = np.asarray(getattr(layer, which)).astype(np.float32).transpose(0, 2, 1, 3)  # [B, H, T, D]
         scale = np.asarray(getattr(layer, f"{which}_scale"))  # [B, H]
         rows = concat_rows(x[:, :t], x[:, t:], lengths)
         for b, xb in enumerate(rows):
@@ -237,12 +237,12 @@ def test_fp8_stores_e4m3_with_per_head_scales_from_the_prompt():
             got = stored[b, :, : len(xb)]
             want = either(got, *(e4m3(ratio * (1 + nudge)) for nudge in (-1e-6, 1e-6)))
             np.testing.assert_array_equal(got, want)
-    assert np.asarray(layer.k)[0, 1, t + 1, 5].astype(np.float32) == 448.0
+    assert np.asarray(layer.k)[0, t + 1, 1, 5].astype(np.float32) == 448.0
 
     # a second chunk's queries against numpy softmax attention over stored * scale
     q = np.random.default_rng(5).standard_normal((B, c, HQ, D))
     o, layer = _append(layer, jnp.asarray(q, jnp.float32), jnp.asarray(k[:, :c] / 2), jnp.asarray(v[:, :c] / 2))
-    kd, vd = (np.asarray(getattr(layer, w)).astype(np.float64)
+    kd, vd = (np.asarray(getattr(layer, w)).astype(np.float64).transpose(0, 2, 1, 3)  # [B, H, T, D]
               * np.asarray(getattr(layer, f"{w}_scale"))[:, :, None, None] for w in "kv")
     for b, n in enumerate(lengths + c):  # query ci sits at position n + ci
         for ci in range(c):
@@ -259,7 +259,7 @@ def test_fp8_bits_per_element_is_8_plus_the_scales():
     channels, over the tokens held (not the capacity, 400)."""
     state = ev.scheme_policy("fp8").init(CFG, B, 400)
     held = jnp.array([250, 0], jnp.int32)
-    state = kv_policy.KVState(state.groups, held)
+    state = kv_policy.KVState(state.layers, held)
     assert kv_policy.bits_per_element(state) == pytest.approx(8 + 32 / (D * 250))
 
 
@@ -268,7 +268,7 @@ def test_fp8_decode_loop_matches_stepwise_decode():
     tiny, _ = registry.load("tests/fixtures/hf_tiny/llama3")
     prompts = [[5, 17, 33, 2, 91, 44, 12, 7, 60, 3], [8, 150, 77, 4, 19, 23, 301]]
     out = gen.generate(tiny, ev.scheme_policy("fp8"), prompts, max_new_tokens=6, eos_ids=())
-    assert out.kv.groups[kv_policy.FULL].k.dtype == jnp.float8_e4m3fn
+    assert out.kv.layers[0].k.dtype == jnp.float8_e4m3fn
     tokens, lengths = gen.pad_prompts(prompts)
     kv = gen.init_state(tiny, ev.scheme_policy("fp8"), 2, 16)
     logits, kv = gen.prefill(tiny, kv, tokens, lengths)
@@ -278,4 +278,4 @@ def test_fp8_decode_loop_matches_stepwise_decode():
         nxt, _, kv = gen.decode_step(tiny, kv, nxt, jax.random.key(0))
         steps.append(nxt)
     assert np.stack(steps, 1).tolist() == out.tokens
-    assert np.all(np.asarray(out.kv.groups[kv_policy.FULL].k_scale) != 1.0)
+    assert np.all(np.asarray(out.kv.layers[0].k_scale) != 1.0)
