@@ -26,7 +26,7 @@ def _root() -> None:
 
 # Modules that register more commands on `app` (e.g. "oscar_jax.models.calibration").
 COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.models.evaluate",
-                                     "oscar_jax.models.needle")
+                                     "oscar_jax.models.needle", "oscar_jax.models.bench")
 
 
 def load_calibration(directory: Path, model_cfg, implementation: str = "auto"):

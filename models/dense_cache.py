@@ -184,7 +184,11 @@ def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: 
 
     def put(cache, x, scale):  # x [B, C, Hkv, D] -> rows (b, pos[b, c])
         x = _store(x, cache.dtype, None if scale is None else scale[:, None, :, None])
-        return cache.at[bidx, pos].set(x, mode="drop")
+        if cache.dtype != FP8:
+            return cache.at[bidx, pos].set(x, mode="drop")
+        # float8 scatters as its bits: backends without float8 scatters would convert the cache.
+        bits = lambda a, dtype: jax.lax.bitcast_convert_type(a, dtype)
+        return bits(bits(cache, jnp.uint8).at[bidx, pos].set(bits(x, jnp.uint8), mode="drop"), FP8)
 
     layer = dataclasses.replace(layer, k=put(layer.k, k, k_scale), v=put(layer.v, v, v_scale), lengths=n + c)
     if isinstance(layer, KiviCache):
@@ -193,25 +197,30 @@ def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: 
         o = jax.nn.dot_product_attention(q.astype(layer.k.dtype), layer.k, layer.v, scale=softmax_scale,
                                          key_value_seq_lengths=jnp.minimum(n + 1, t_max), implementation="cudnn")
         return o.astype(q.dtype), layer
-    # XLA: float32 math where the queries are float32 (the parity tests), else bf16 operands
-    # with float32 accumulation; float8 values are exact in bf16 and their scale goes on the
-    # scores and the output.
-    compute, precision = (jnp.float32, _HI) if q.dtype == jnp.float32 else (jnp.bfloat16, None)
-    load = lambda stored: stored.astype(compute)
     kp = jnp.arange(t_max)[None, None, :]
     mask = kp <= pos[..., None]  # [B, C, T]
     window = getattr(layer, "window", None)
     if window is not None:
         mask &= kp > pos[..., None] - window
-    qg = q.astype(compute).reshape(b, c, hkv, hq // hkv, d)
-    s = jnp.einsum("bchgd,bthd->bhgct", qg, load(layer.k), precision=precision,
-                   preferred_element_type=jnp.float32) * softmax_scale
+    # XLA, in float32: float8 values are exact in it, and their scales go on the scores and
+    # the output. One query (decode) multiplies and reduces in one fused pass over the cache
+    # as it lies (no transposed or converted copy of it); an extend chunk's C queries use
+    # dot products.
+    load = lambda stored: stored.astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
+    if c == 1:
+        s = jnp.moveaxis(jnp.sum(qg * load(layer.k)[:, :, :, None], axis=-1), 1, -1)[:, None]  # [B, 1, Hkv, g, T]
+    else:
+        s = jnp.einsum("bchgd,bthd->bchgt", qg, load(layer.k), precision=_HI)
+    s = s * softmax_scale
     if k_scale is not None:
-        s = s * k_scale[:, :, None, None, None]
-    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        s = s * k_scale[:, None, :, None, None]
+    s = jnp.where(mask[:, :, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhgct,bthd->bchgd", p.astype(compute), load(layer.v), precision=precision,
-                   preferred_element_type=jnp.float32)
+    if c == 1:
+        o = jnp.sum(jnp.moveaxis(p[:, 0], -1, 1)[..., None] * load(layer.v)[:, :, :, None], axis=1)[:, None]
+    else:
+        o = jnp.einsum("bchgt,bthd->bchgd", p, load(layer.v), precision=_HI)
     if v_scale is not None:
         o = o * v_scale[:, None, :, None, None]
     return o.reshape(b, c, hq, d).astype(q.dtype), layer

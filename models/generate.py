@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -213,13 +213,15 @@ def compile_decode(model: Decoder, kv: kv_policy.KVState, key, *, max_new_tokens
 
 
 def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens: int,
-           sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (), program=None):
+           sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (), program=None,
+           segment: int = DECODE_SEGMENT, on_segment: Callable[[int], None] | None = None):
     """Generate up to `max_new_tokens` tokens per sequence in a compiled loop.
 
     first int32 [B]: the first new token (sampled from prefill's logits); it is
     fed to the cache, and so on. Stops per sequence after an EOS id, globally
-    when all stopped. The loop runs `DECODE_SEGMENT` steps per call (one program for every
-    call), so a KeyboardInterrupt stops it within a segment. Returns (tokens int32
+    when all stopped. The loop runs `segment` steps per call (one program for every call),
+    so a KeyboardInterrupt stops it within a segment; on_segment(i) runs after each call has
+    finished on the device, with the number of columns filled. Returns (tokens int32
     [B, max_new_tokens], `first` in column 0, NO_TOKEN after a stop; count int32 [B]
     tokens generated incl. EOS; kv). kv is donated. program: from `compile_decode`.
     """
@@ -233,10 +235,15 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
     run = functools.partial(_decode, sampling=sampling) if program is None else program
     loop = _loop_start(first, eos, max_new_tokens)
     i = 1
+    if segment < 1:
+        raise ValueError(f"segment={segment}: expected >= 1")
     while i < max_new_tokens:
-        i = min(i + DECODE_SEGMENT, max_new_tokens)
+        i = min(i + segment, max_new_tokens)
         loop, key, kv = run(model, kv, loop, key, jnp.int32(i), eos)
-        if bool(jnp.all(loop[3])):
+        finished = bool(jnp.all(loop[3]))  # waits for the call
+        if on_segment is not None:
+            on_segment(i)
+        if finished:
             break
     _, _, out, _, count = loop
     return out, count, kv

@@ -295,6 +295,18 @@ def bits_per_element(state: KVState) -> float:
     return sum(b for b, _ in totals) / sum(e for _, e in totals)
 
 
+def held_bytes(state: KVState) -> float:
+    """Bytes that the held tokens' K and V occupy over all layers and sequences (metadata and
+    full-precision segments included): what one decode step must read."""
+    n = np.asarray(state.lengths)
+
+    def channels(layer) -> int:  # Hkv * D
+        spec = layer.cache.spec if isinstance(layer, OscarLayer) else getattr(layer, "spec", None)
+        return spec.kv_heads * spec.head_dim if spec is not None else layer.k.shape[-2] * layer.k.shape[-1]
+
+    return float(sum(_layer_bits(layer, n)[0] * 2 * channels(layer) / 8 for layer in state.layers))
+
+
 def capacity(state: KVState) -> int | None:
     """The most tokens a sequence of this state can hold (None: unbounded, rings only)."""
     caps = [layer.cache.spec.max_len if isinstance(layer, OscarLayer) else layer.k.shape[1]

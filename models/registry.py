@@ -52,6 +52,28 @@ MODELS = {
 }
 
 
+# Architectures shipped as config.json only (package data, models/configs/<name>/): speed runs
+# with random weights of the real shape.
+CONFIG_ONLY = ("llama3-8b", "qwen3-8b")
+
+
+def config_dir(name: str) -> Path:
+    """The directory holding a config-only architecture's config.json."""
+    if name not in CONFIG_ONLY:
+        raise ValueError(f"config-only architecture {name!r}: expected one of {CONFIG_ONLY}")
+    return Path(__file__).parent / "configs" / name
+
+
+def _resolve(name_or_path: str | Path) -> Path:
+    """A named model's GGUF file, a config-only architecture's directory, or the path itself."""
+    name = str(name_or_path)
+    if name in MODELS:
+        return model_path(name)
+    if name in CONFIG_ONLY:
+        return config_dir(name)
+    return Path(name_or_path)
+
+
 def architecture(name: str) -> ModelConfig:
     """The architecture of a named model without its package (for --random-weights
     where the checkpoint cannot travel); tests check it equals the GGUF metadata."""
@@ -97,7 +119,7 @@ def model_path(name: str) -> Path:
 
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """The architecture of a named model, GGUF file or HF directory (no weights read)."""
-    path = model_path(str(name_or_path)) if str(name_or_path) in MODELS else Path(name_or_path)
+    path = _resolve(name_or_path)
     if path.is_dir():
         from oscar_jax.models.safetensors_loader import read_config
         return read_config(path)
@@ -106,7 +128,8 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
 
 def load(name_or_path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None,
          random_weights: bool = False, seed: int = 0) -> tuple[Decoder, TextTokenizer | None]:
-    """(decoder, tokenizer) for "smollm2", "gemma3", a .gguf file or an HF checkpoint directory.
+    """(decoder, tokenizer) for "smollm2", "gemma3", a .gguf file or an HF checkpoint directory
+    (or, with random_weights, a config-only architecture: "llama3-8b", "qwen3-8b").
 
     random_weights: the same architecture with random weights (speed runs).
     The tokenizer is None for an HF directory without tokenizer.json.
@@ -114,10 +137,12 @@ def load(name_or_path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.
     if random_weights and str(name_or_path) in MODELS:
         model = Decoder(architecture(str(name_or_path)), rngs=nnx.Rngs(seed), dtype=dtype)
         return (model if sharding is None else jax.device_put(model, sharding)), None
-    path = model_path(str(name_or_path)) if str(name_or_path) in MODELS else Path(name_or_path)
+    if str(name_or_path) in CONFIG_ONLY and not random_weights:
+        raise ValueError(f"model {str(name_or_path)!r} ships as a config only: load it with random_weights=True")
+    path = _resolve(name_or_path)
     if not path.exists():
         raise FileNotFoundError(f"model {str(name_or_path)!r}: expected one of {sorted(MODELS)}, "
-                                f"a .gguf file or an HF checkpoint directory")
+                                f"{list(CONFIG_ONLY)} (random weights), a .gguf file or an HF checkpoint directory")
     if path.is_dir():
         cfg = load_config(path)
         tok_file = path / "tokenizer.json"

@@ -89,10 +89,9 @@ class LayerParams:
             return jnp.broadcast_to(r, (num_layers, kv_heads, d, d))
 
         def clip(c, name):
-            c = jnp.asarray(c, jnp.float32)
-            if np.any(np.asarray(c) <= 0) or np.any(np.asarray(c) > 1):
+            if not isinstance(c, jax.core.Tracer) and (np.any(np.asarray(c) <= 0) or np.any(np.asarray(c) > 1)):
                 raise ValueError(f"{name}={c}: expected clip ratios in (0, 1]")
-            return jnp.broadcast_to(c, (num_layers,))
+            return jnp.broadcast_to(jnp.asarray(c, jnp.float32), (num_layers,))
 
         def shift(m):
             m = jnp.asarray(m, jnp.float32)
@@ -339,6 +338,9 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         # Tokens leaving the ring: slot of new position p held position p - W.
         slot = jnp.mod(pos - s0, w)
         evicted = ring[bidx, :, slot]  # [B, C, H, D]
+        # The ring is read here and written in place below: tying the two makes the read come
+        # first, so XLA updates the ring in place instead of copying it.
+        ring, evicted = jax.lax.optimization_barrier((ring, evicted))
         evicted = jnp.moveaxis(evicted, 1, 2)  # [B, H, C, D]
         q = quant.quantize(evicted, spec.quant, clip)
         # New token i evicts history index n + i - W - S0 (kept where >= 0).

@@ -1,0 +1,294 @@
+"""`oscar bench`: decode throughput per KV scheme at one KV memory budget, set against the
+step's memory roofline.
+
+For each scheme and context length (the cache's capacity per sequence): the largest batch
+whose KV cache fits the budget (or a fixed `--batch`); the cache filled through
+`write_prompt` with random post-RoPE K/V to `context - new tokens` (decode speed does not
+depend on the values, and a real prefill of dozens of long prompts would take minutes);
+then the compiled decode loop, timed per segment of steps: time per output token (p50/p99
+over segments), decode tokens/s, KV bytes and bits/element, and the roofline of one step
+(every weight and every held token's K/V read once, over the device-to-device copy
+bandwidth measured in the same run). Then the time to first token of one prompt of that
+length through the real prefill (compile excluded). The ceiling of a scheme's throughput
+against bf16 at one budget is 16 / its bits per element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import typer
+
+from oscar_jax.models import generate as gen, kv_policy, results
+from oscar_jax.models.cli import app, console
+from oscar_jax.models.decoder import Decoder, fold_values
+
+GIB = 2 ** 30
+
+
+def copy_bandwidth(nbytes: int | None = None, reps: int = 10) -> float:
+    """Bytes read plus written per second by a device-to-device copy (median): of 1 GiB on an
+    accelerator (far past its caches), 64 MiB on a CPU."""
+    nbytes = nbytes or (2 ** 26 if jax.default_backend() == "cpu" else GIB)
+    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + 1)
+    copy(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        copy(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / float(np.median(times))
+
+
+def weight_bytes(model: Decoder) -> int:
+    """Bytes of the weights one decode step reads: every layer's, the final norm and the LM head
+    (the embedding table when tied; an untied table is read only at the batch's rows)."""
+    layers = sum(x.size * x.dtype.itemsize for block in model.layers for x in block.arrays().values())
+    head = model.embed[...] if model.lm_head is None else model.lm_head[...]
+    norm = model.final_norm[...]
+    return int(layers + head.size * head.dtype.itemsize + norm.size * norm.dtype.itemsize)
+
+
+def sequence_bytes(model: Decoder, policy, max_len: int) -> int:
+    """KV bytes allocated per sequence of capacity `max_len` (every cache array grows with the batch)."""
+    state = jax.eval_shape(lambda: policy.init(model.cfg, 1, max_len))
+    return kv_policy.nbytes(state)
+
+
+@functools.partial(jax.jit, static_argnames=("context",), donate_argnames=("full",))
+def _fill_layer(one, full, key, *, context: int):
+    """Write random post-RoPE k, v of `context` tokens into the batch-1 layer `one` and copy it
+    into every row of `full` (donated)."""
+    shape = (1, context, *_heads(one))
+    k, v = (jax.random.normal(part, shape, jnp.bfloat16) for part in jax.random.split(key))
+    one = kv_policy.write_prompt(one, k, v, jnp.full((1,), context, jnp.int32))
+    leaves, treedef = jax.tree.flatten(full)  # (its static batch differs from one's)
+    return treedef.unflatten([jnp.broadcast_to(src, dst.shape).astype(dst.dtype)
+                              for src, dst in zip(jax.tree.leaves(one), leaves)])
+
+
+def _heads(layer) -> tuple[int, int]:
+    """(Hkv, D) of one layer's cache."""
+    if isinstance(layer, kv_policy.OscarLayer):
+        return layer.cache.spec.kv_heads, layer.cache.spec.head_dim
+    spec = getattr(layer, "spec", None)
+    return (spec.kv_heads, spec.head_dim) if spec is not None else tuple(layer.k.shape[-2:])
+
+
+def filled_state(model: Decoder, policy, batch: int, context: int, max_len: int, seed: int = 0) -> kv_policy.KVState:
+    """A KV state of `batch` sequences holding `context` random tokens each (capacity max_len)."""
+    kv = gen.init_state(model, policy, batch, max_len)
+    one = gen.init_state(model, policy, 1, max_len)
+    keys = jax.random.split(jax.random.key(seed), len(kv.layers))
+    layers = tuple(_fill_layer(o, f, k, context=context) for o, f, k in zip(one.layers, kv.layers, keys))
+    return kv_policy.KVState(layers, jnp.full((batch,), context, jnp.int32))
+
+
+def time_decode(model: Decoder, kv: kv_policy.KVState, *, steps: int, segment: int, warmup: int = 1) -> dict:
+    """Time the compiled decode loop: `warmup` segments, then `steps` tokens in segments of
+    `segment` steps. Returns per-token times (s) of each timed segment and the final state."""
+    batch = kv.lengths.shape[0]
+    key = jax.random.key(1)
+    total = 1 + segment * warmup + steps
+    program = gen.compile_decode(model, kv, key, max_new_tokens=total)
+    marks = [time.perf_counter()]
+    _, _, kv = gen.decode(model, kv, jnp.ones((batch,), jnp.int32), key, max_new_tokens=total, program=program,
+                          segment=segment, on_segment=lambda i: marks.append(time.perf_counter()))
+    per_token = np.diff(marks) / np.diff([1, *range(1 + segment, total, segment), total])
+    return {"per_token_s": per_token[warmup:], "kv": kv}
+
+
+def time_to_first_token(model: Decoder, policy, context: int, seed: int = 0) -> dict:
+    """Prefill one random prompt of `context` tokens and sample its first token: compile
+    seconds, and the time of the second run (the first warms the device's autotuning)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, model.cfg.vocab_size, (1, context), dtype=np.int32)
+    lengths = np.array([context], np.int32)
+    kv = gen.init_state(model, policy, 1, context + 1)
+    t0 = time.perf_counter()
+    programs = gen.compile_prefill(model, kv, tokens, lengths)
+    compile_s = time.perf_counter() - t0
+    seconds = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        logits, kv = gen.prefill(model, kv, tokens, lengths, programs=programs)
+        jnp.argmax(logits, -1).block_until_ready()
+        seconds.append(time.perf_counter() - t0)
+    return {"ttft_s": seconds[-1], "ttft_first_run_s": seconds[0], "prefill_compile_s": compile_s}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSpec:
+    """What one `oscar bench` run measures."""
+
+    schemes: tuple[str, ...]
+    contexts: tuple[int, ...]
+    steps: int = 64
+    segment: int = 8
+    budget_gib: float = 48.0
+    batches: tuple[int, ...] | None = None  # fixed batches instead of the largest that fits the budget
+    ttft: bool = True
+
+
+def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpec, bandwidth: float,
+                 batch: int | None = None) -> dict:
+    """One row: `policy` (named `name`) at capacity `context` per sequence, `batch` sequences
+    (None: the most that fit the budget)."""
+    new_tokens = 1 + spec.segment + spec.steps
+    per_seq = sequence_bytes(model, policy, context)
+    row = {"kv": name, "context": context, "batch": batch or int(spec.budget_gib * GIB // per_seq),
+           "kv_bytes_per_sequence": per_seq, "budget_gib": None if batch else spec.budget_gib}
+    batch = row["batch"]
+    if batch < 1:
+        return {**row, "error": f"one sequence of {context} tokens needs {per_seq / GIB:.2f} GiB > the budget"}
+    if context <= new_tokens:
+        return {**row, "error": f"context {context} must exceed the {new_tokens} decoded tokens"}
+    stats = jax.devices()[0].memory_stats() or {}
+    need = batch * per_seq + weight_bytes(model)
+    if "bytes_limit" in stats and need > 0.95 * stats["bytes_limit"]:
+        return {**row, "error": f"needs {need / GIB:.1f} GiB of the device's {stats['bytes_limit'] / GIB:.1f}"}
+    serve_model, serve_policy = fold_values(model, policy)
+    kv = filled_state(serve_model, serve_policy, batch, context - new_tokens, context)
+    held = kv_policy.held_bytes(kv)
+    row.update(bits_per_element=kv_policy.bits_per_element(kv), kv_bytes=kv_policy.nbytes(kv), kv_held_bytes=held)
+    timed = time_decode(serve_model, kv, steps=spec.steps, segment=spec.segment)
+    del kv, timed["kv"]
+    per_token = timed["per_token_s"]
+    p50 = float(np.median(per_token))
+    roofline = (weight_bytes(serve_model) + held) / bandwidth
+    row.update(tpot_p50_ms=1e3 * p50, tpot_p99_ms=1e3 * float(np.percentile(per_token, 99)),
+               decode_tokens_per_s=batch / p50, roofline_ms=1e3 * roofline, step_over_roofline=p50 / roofline,
+               ceiling_vs_bf16=16.0 / row["bits_per_element"])
+    if spec.ttft:
+        row.update(time_to_first_token(serve_model, serve_policy, context))
+    return row
+
+
+def run(model: Decoder, policies: dict, spec: BenchSpec, progress=lambda row: None) -> list[dict]:
+    """Every (scheme, context) row, with throughput relative to bf16 where bf16 ran."""
+    bandwidth = copy_bandwidth()
+    rows = []
+    for context in spec.contexts:
+        for name, policy in policies.items():
+            for batch in spec.batches or (None,):
+                try:
+                    row = bench_scheme(model, name, policy, context, spec, bandwidth, batch)
+                except Exception as e:  # a cell that does not fit or compile is reported, the rest run
+                    row = {"kv": name, "context": context, "batch": batch,
+                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                row["copy_GBps"] = bandwidth / 1e9
+                rows.append(row)
+                progress(row)
+    for row in rows:
+        base = next((r for r in rows if r["kv"] == "bf16" and r["context"] == row["context"]
+                     and (spec.batches is None or r["batch"] == row["batch"]) and "decode_tokens_per_s" in r), None)
+        if base is not None and "decode_tokens_per_s" in row:
+            row["throughput_vs_bf16"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    return rows
+
+
+def plot(rows: list[dict], path: str | Path, title: str) -> None:
+    """Decode tokens/s against context, one line per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name in dict.fromkeys(r["kv"] for r in rows):
+        pts = [(r["context"], r["decode_tokens_per_s"]) for r in rows if r["kv"] == name and "decode_tokens_per_s" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("decode tokens/s (whole batch)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _parse_count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1024, "M": 1024 ** 2}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+@app.command()
+def bench(
+    model: str = typer.Option(..., help="smollm2 | gemma3 | llama3-8b | qwen3-8b | a .gguf file | an HF directory"),
+    random_weights: bool = typer.Option(False, help="random weights of the model's architecture (speed runs)"),
+    kv: str = typer.Option("bf16,fp8,int8,oscar", help="KV schemes, comma-separated (kv_policy.POLICIES)"),
+    rotations: Path | None = typer.Option(None, help="calibration artifact directory for oscar"),
+    contexts: str = typer.Option("8K,32K,128K", help="tokens per sequence (cache capacity), comma-separated"),
+    steps: int = typer.Option(64, min=1, help="timed decode steps"),
+    segment: int = typer.Option(8, min=1, help="decode steps per timed call"),
+    kv_budget_gib: float = typer.Option(48.0, min=0.0, help="KV cache memory per scheme, GiB"),
+    batch: str | None = typer.Option(None, help="fixed batches, comma-separated, instead of the largest that "
+                                                "fits the budget"),
+    ttft: bool = typer.Option(True, help="time the first token of one prompt per context (real prefill)"),
+    dtype: str = typer.Option("bfloat16", help="weights and activations: bfloat16 | float32"),
+    implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
+    out: Path | None = typer.Option(None, help="JSON path (default bench/results/<device>/serving_<model>.json)"),
+    plot_path: Path | None = typer.Option(None, "--plot", help="PNG path (default: beside the JSON)"),
+):
+    """Decode throughput per KV scheme at one KV memory budget, beside its roofline."""
+    from rich.table import Table
+
+    from oscar_jax.models import registry
+    from oscar_jax.models.cli import load_calibration
+
+    schemes = tuple(s.strip() for s in kv.split(",") if s.strip())
+    try:
+        ctx = tuple(_parse_count(c) for c in contexts.split(",") if c.strip())
+    except ValueError:
+        raise typer.BadParameter(f"--contexts {contexts!r}: expected counts like 8K,32K,131072") from None
+    try:
+        batches = tuple(int(b) for b in batch.split(",")) if batch else None
+    except ValueError:
+        raise typer.BadParameter(f"--batch {batch!r}: expected positive ints like 1,8,32") from None
+    if batches and min(batches) < 1:
+        raise typer.BadParameter(f"--batch {batch!r}: expected positive ints like 1,8,32")
+    if not schemes or not ctx:
+        raise typer.BadParameter("--kv and --contexts need at least one value each")
+    decoder, _ = registry.load(model, dtype=jnp.dtype(dtype), random_weights=random_weights)
+    policies = {}
+    for name in schemes:
+        try:
+            policies[name] = (load_calibration(rotations, decoder.cfg, implementation) if name == "oscar" and rotations
+                              else kv_policy.make_policy(name, implementation=implementation))
+        except ValueError as e:
+            raise typer.BadParameter(f"--kv {name}: {e}") from None
+    spec = BenchSpec(schemes, ctx, steps, segment, kv_budget_gib, batches, ttft)
+    label = Path(model).name if Path(model).exists() else model
+    rows = run(decoder, policies, spec, progress=lambda r: console.print(
+        f"{r['kv']:>6} ctx {r['context']:>7}: " + (r.get("error") or
+        f"B={r['batch']} {r['tpot_p50_ms']:.2f} ms/token ({r['step_over_roofline']:.2f}x roofline), "
+        f"{r['decode_tokens_per_s']:.0f} tok/s"), markup=False, highlight=False))
+    result = results.record(rows)
+    result.update(model=label, budget_gib=kv_budget_gib, dtype=dtype)
+    out = out or Path("bench/results") / results.device_slug() / f"serving_{label}.json"
+    results.write(result, out)
+    plot(rows, plot_path or out.with_suffix(".png"), f"{label}, {result['device']}, KV budget {kv_budget_gib:g} GiB")
+    table = Table(title=f"oscar bench: {label} on {result['device']} (jax {result['jax']})")
+    for col in ("kv", "context", "batch", "bits/el", "ms/token p50", "x roofline", "tok/s", "x bf16", "ceiling",
+                "TTFT s"):
+        table.add_column(col, justify="right")
+    f = lambda r, k, fmt: fmt.format(r[k]) if r.get(k) is not None else "-"
+    for r in rows:
+        table.add_row(r["kv"], str(r["context"]), str(r.get("batch", "-")), f(r, "bits_per_element", "{:.2f}"),
+                      f(r, "tpot_p50_ms", "{:.2f}"), f(r, "step_over_roofline", "{:.2f}"),
+                      f(r, "decode_tokens_per_s", "{:.0f}"), f(r, "throughput_vs_bf16", "{:.2f}"),
+                      f(r, "ceiling_vs_bf16", "{:.2f}"), f(r, "ttft_s", "{:.2f}"))
+    console.print(table)
+    console.print(f"wrote {out}")

@@ -1,0 +1,206 @@
+"""The serving path's structure on a tiny decoder (CPU): the decode step updates every layer's
+cache in place and copies no cache or weight array; the layer-by-layer prefill equals a full
+forward followed by the per-layer cache write, in logits and cache contents, for every policy;
+its memory follows the token chunk and one layer; the segmented decode loop; `oscar bench`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from oscar_jax import cache as oc
+from oscar_jax.models import generate as gen
+from oscar_jax.models import kv_policy
+from oscar_jax.models.config import ModelConfig
+from oscar_jax.models.decoder import Decoder, forward_logits, prefill_layer
+
+LLAMA = ModelConfig("llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                    num_kv_heads=2, head_dim=32, rms_eps=1e-5, rope_theta=1e4, layer_types=("full_attention",) * 3)
+
+
+def tiny_gemma() -> ModelConfig:
+    """(2 sliding + 1 global) x 2 layers, window 8, qk-norm, one KV head."""
+    return ModelConfig(
+        family="gemma3", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=6, num_heads=4,
+        num_kv_heads=1, head_dim=32, rms_eps=1e-6, rope_theta=1e6, rope_local_theta=1e4,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention") * 2, sliding_window=8,
+        qk_norm=True, activation="gelu_tanh", query_pre_attn_scalar=32.0, embed_scale=True, post_norms=True,
+        bos_token_id=2, eos_token_ids=(1,), hf_model_type="gemma3_text")
+
+
+def _hlo_copies_of_arguments(compiled) -> list[str]:
+    """Arguments of ndim >= 2 (cache arrays, weights) that the compiled module copies, transposes
+    or slices as a whole: the op_name of each parameter read by such an instruction."""
+    text = compiled.as_text()
+    params = {name: (op, shape.count(",") + 1) for name, shape, op in re.findall(
+        r"%(\S+) = \w+\[([\d,]+)\]\S* parameter\(\d+\), metadata=\{op_name=\"([^\"]+)\"", text)}
+    copied = []
+    for opcode, operands in re.findall(r"= \S+ (copy|transpose|slice|dynamic-slice)\(([^)]*)\)", text):
+        for operand in operands.split(","):
+            op, ndim = params.get(operand.strip().lstrip("%"), (None, 0))
+            if op is not None and ndim >= 2:
+                copied.append(f"{opcode} of {op}")
+    return copied
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "oscar"])
+def test_decode_step_updates_every_cache_in_place(name):
+    """bf16 weights, batch 2, 1024 positions: the compiled step aliases every cache byte from input
+    to output (donated and updated in place), no instruction copies, transposes or slices a cache
+    array or a weight, and the dense bf16 step holds less than one layer's K cache in temporaries
+    (its attention reads the cache as it lies)."""
+    model = Decoder(LLAMA, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    policy = kv_policy.make_policy(name, implementation="xla")
+    kv = gen.init_state(model, policy, 2, 1024)
+    compiled = gen.decode_step.lower(model, kv, jnp.zeros((2,), jnp.int32), jax.random.key(0)).compile()
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= kv_policy.nbytes(kv)
+    assert _hlo_copies_of_arguments(compiled) == []
+    if name == "bf16":
+        assert memory.temp_size_in_bytes < kv.layers[0].k.size * kv.layers[0].k.dtype.itemsize
+
+
+def test_hlo_copy_check_finds_a_copied_cache():
+    """The check above finds a step that copies a layer's cache before updating it."""
+    def step(cache, x):
+        return cache.at[0].set(cache[1]) + 0, jnp.swapaxes(cache, 0, 1).sum() + x
+
+    compiled = jax.jit(step).lower(jnp.ones((4, 8, 16)), jnp.float32(1)).compile()
+    assert _hlo_copies_of_arguments(compiled)
+
+
+POLICIES = ["fp32", "bf16", "fp8", "kivi", "int4", "oscar"]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_layerwise_prefill_equals_forward_then_cache_write(name):
+    """Ragged prompts (37 and 20 tokens) through `generate.prefill` in 8-token chunks: the logits
+    equal a full forward's at each prompt's last token, and every layer's cache equals that
+    layer's `write_prompt` of the forward's captured k, v (the one-shot prefill)."""
+    model = Decoder(tiny_gemma(), rngs=nnx.Rngs(1))
+    policy = kv_policy.make_policy(name, implementation="xla")
+    rng = np.random.default_rng(7)
+    lengths = np.array([37, 20], np.int32)
+    tokens = rng.integers(3, 97, (2, 37)).astype(np.int32)
+    kv = gen.init_state(model, policy, 2, 48)
+    logits, kv = gen.prefill(model, kv, tokens, lengths, chunk_tokens=16)
+    want = np.asarray(jax.jit(forward_logits)(model, jnp.asarray(tokens), jnp.asarray(lengths)))
+    np.testing.assert_allclose(np.asarray(logits), want[[0, 1], lengths - 1], rtol=2e-5, atol=2e-5)
+    positions = jnp.broadcast_to(jnp.arange(37, dtype=jnp.int32), (2, 37))
+    _, _, cap = model(jnp.asarray(tokens), positions, lengths=jnp.asarray(lengths), capture_qkv=True)
+    oneshot = gen.init_state(model, policy, 2, 48)
+    for i, layer in enumerate(oneshot.layers):
+        want_layer = jax.jit(kv_policy.write_prompt)(layer, cap.k[i], cap.v[i], jnp.asarray(lengths))
+        _assert_same_contents(kv.layers[i], want_layer, lengths)
+
+
+def _assert_same_contents(got, want, lengths):
+    """Two caches of one layer hold the same tokens up to the rounding of two compiled programs:
+    stored floats within one unit of their dtype's last place; a quantised history (dequantised)
+    within one level at the rare code that sits on a rounding boundary, else within 1e-5."""
+    if isinstance(got, kv_policy.OscarLayer):
+        for g, w in zip(oc.dense_view(got.cache)[:2], oc.dense_view(want.cache)[:2]):
+            held = np.asarray(oc.dense_view(got.cache)[2])[:, None, :, None]
+            g, w = np.where(held, np.asarray(g), 0), np.where(held, np.asarray(w), 0)
+            level = np.abs(w).max()  # a bound on one level of any token's quantiser
+            assert np.abs(g - w).max() <= level
+            assert np.mean(np.abs(g - w) > 1e-5) < 0.01
+        return
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.dtype.kind in "iub":
+            np.testing.assert_array_equal(g, w)
+            continue
+        eps = max(float(jnp.finfo(g.dtype).eps), 1e-5)  # float32: a few ulps of two matmul orders
+        if g.ndim == 4:  # [B, T, Hkv, D] or [B, Hkv, T, D]: compare held positions only
+            t_axis = 1 if g.shape[1] >= lengths.max() and g.shape[2] < g.shape[1] else 2
+            held = np.arange(g.shape[t_axis]) < lengths[:, None]
+            held = held[:, :, None, None] if t_axis == 1 else held[:, None, :, None]
+            g, w = np.where(held, g.astype(np.float32), 0), np.where(held, w.astype(np.float32), 0)
+        np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=eps, atol=1e-5)
+
+
+def test_prefill_layer_memory_follows_the_chunk_not_the_prompt():
+    """One prefill layer of a 2048-token prompt: temporaries grow with the token chunk, and with
+    a 128-token chunk stay under what the unchunked MLP alone would hold ([T, I] float32 gate
+    and up activations); one layer's q, k, v and output and a block of scores bound the rest."""
+    cfg = dataclasses.replace(LLAMA, intermediate_size=32768, num_heads=2, num_kv_heads=1, num_layers=1,
+                              layer_types=("full_attention",))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    t = 2048
+    kv = gen.init_state(model, kv_policy.make_policy("bf16"), 1, t)
+    x = jax.ShapeDtypeStruct((1, t, cfg.hidden_size), jnp.float32)
+
+    def temp(chunk):
+        lowered = prefill_layer.lower(model.layers[0].arrays(), x, jnp.array([t], jnp.int32), kv.layers[0],
+                                      cfg=cfg, kind="full_attention", chunk=chunk, attention="xla")
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp(128), temp(1024)
+    unchunked_mlp = 2 * t * cfg.intermediate_size * 4
+    one_layer_qkvo = t * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 4
+    scores_block = cfg.num_heads * 2048 * t * 4  # the XLA path's query block of scores (f32)
+    print(f"\nprefill layer temporaries: chunk 128 -> {small:,} B, chunk 1024 -> {large:,} B")
+    assert small < large
+    assert small < unchunked_mlp
+    assert small < 2 * one_layer_qkvo + 4 * scores_block  # scores, mask, probabilities
+
+
+def test_segmented_decode_equals_one_call_and_reports_each_segment():
+    """Decoding 20 tokens in segments of 3 gives the tokens of one 64-step segment, and calls
+    on_segment after each of the ceil(19 / 3) calls with the columns filled."""
+    model = Decoder(LLAMA, rngs=nnx.Rngs(2))
+    policy = kv_policy.make_policy("oscar", implementation="xla")
+    runs, seen = [], []
+    for segment in (64, 3):
+        kv = gen.init_state(model, policy, 2, 40)
+        logits, kv = gen.prefill(model, kv, np.arange(3, 23).reshape(2, 10), np.array([10, 7]))
+        first = jnp.argmax(logits, -1).astype(jnp.int32)
+        out, count, _ = gen.decode(model, kv, first, jax.random.key(0), max_new_tokens=20, segment=segment,
+                                   on_segment=seen.append if segment == 3 else None)
+        runs.append(np.asarray(out))
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert seen == [4, 7, 10, 13, 16, 19, 20]
+
+
+def test_oscar_bench_cli_end_to_end(tmp_path):
+    """`oscar bench` on a tiny HF checkpoint: one row per scheme and context, the batch the
+    largest that fits the budget, bits/element and throughput against bf16 filled in, a TTFT,
+    the JSON in the results schema, the plot written."""
+    from typer.testing import CliRunner
+
+    from oscar_jax.models.bench import sequence_bytes
+    from oscar_jax.models.cli import app, main  # noqa: F401  (main registers the commands)
+    import oscar_jax.models.bench  # noqa: F401
+
+    out = tmp_path / "bench.json"
+    budget = 0.002
+    result = CliRunner().invoke(app, ["bench", "--model", "tests/fixtures/hf_tiny/llama3", "--kv", "bf16,oscar",
+                                      "--contexts", "256,512", "--steps", "8", "--segment", "4",
+                                      "--kv-budget-gib", str(budget), "--dtype", "float32", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    assert {"device", "jax", "commit", "command", "date", "rows"} <= set(record)
+    rows = record["rows"]
+    assert [(r["kv"], r["context"]) for r in rows] == [("bf16", 256), ("oscar", 256), ("bf16", 512), ("oscar", 512)]
+    from oscar_jax.models import registry
+
+    decoder, _ = registry.load("tests/fixtures/hf_tiny/llama3")
+    for r in rows:
+        assert "error" not in r, r
+        policy = kv_policy.make_policy(r["kv"])
+        assert r["batch"] == int(budget * 2 ** 30 // sequence_bytes(decoder, policy, r["context"]))
+        assert r["tpot_p50_ms"] > 0 and r["ttft_s"] > 0 and r["step_over_roofline"] > 0
+        assert r["ceiling_vs_bf16"] == pytest.approx(16 / r["bits_per_element"])
+        assert r["throughput_vs_bf16"] == pytest.approx(
+            r["decode_tokens_per_s"] / next(b["decode_tokens_per_s"] for b in rows
+                                            if b["kv"] == "bf16" and b["context"] == r["context"]))
+    assert [r["bits_per_element"] for r in rows if r["kv"] == "bf16"] == [16.0, 16.0]
+    assert out.with_suffix(".png").stat().st_size > 0
