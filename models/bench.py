@@ -97,12 +97,14 @@ def time_decode(model: Decoder, kv: kv_policy.KVState, *, steps: int, segment: i
     batch = kv.lengths.shape[0]
     key = jax.random.key(1)
     total = 1 + segment * warmup + steps
+    t0 = time.perf_counter()
     program = gen.compile_decode(model, kv, key, max_new_tokens=total)
+    compile_s = time.perf_counter() - t0
     marks = [time.perf_counter()]
     _, _, kv = gen.decode(model, kv, jnp.ones((batch,), jnp.int32), key, max_new_tokens=total, program=program,
                           segment=segment, on_segment=lambda i: marks.append(time.perf_counter()))
     per_token = np.diff(marks) / np.diff([1, *range(1 + segment, total, segment), total])
-    return {"per_token_s": per_token[warmup:], "kv": kv}
+    return {"per_token_s": per_token[warmup:], "decode_compile_s": compile_s, "kv": kv}
 
 
 def time_to_first_token(model: Decoder, policy, context: int, seed: int = 0) -> dict:
@@ -134,7 +136,7 @@ class BenchSpec:
     segment: int = 8
     budget_gib: float = 48.0
     batches: tuple[int, ...] | None = None  # fixed batches instead of the largest that fits the budget
-    ttft: bool = True
+    ttft: tuple[str, ...] | None = None  # schemes whose time to first token is measured (None: every one)
 
 
 def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpec, bandwidth: float,
@@ -155,7 +157,10 @@ def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpe
     if "bytes_limit" in stats and need > 0.95 * stats["bytes_limit"]:
         return {**row, "error": f"needs {need / GIB:.1f} GiB of the device's {stats['bytes_limit'] / GIB:.1f}"}
     serve_model, serve_policy = fold_values(model, policy)
+    t0 = time.perf_counter()
     kv = filled_state(serve_model, serve_policy, batch, context - new_tokens, context)
+    jax.block_until_ready(kv)
+    row["fill_s"] = time.perf_counter() - t0
     held = kv_policy.held_bytes(kv)
     row.update(bits_per_element=kv_policy.bits_per_element(kv), kv_bytes=kv_policy.nbytes(kv), kv_held_bytes=held)
     timed = time_decode(serve_model, kv, steps=spec.steps, segment=spec.segment)
@@ -165,8 +170,8 @@ def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpe
     roofline = (weight_bytes(serve_model) + held) / bandwidth
     row.update(tpot_p50_ms=1e3 * p50, tpot_p99_ms=1e3 * float(np.percentile(per_token, 99)),
                decode_tokens_per_s=batch / p50, roofline_ms=1e3 * roofline, step_over_roofline=p50 / roofline,
-               ceiling_vs_bf16=16.0 / row["bits_per_element"])
-    if spec.ttft:
+               ceiling_vs_bf16=16.0 / row["bits_per_element"], decode_compile_s=timed["decode_compile_s"])
+    if spec.ttft is None or name in spec.ttft:
         row.update(time_to_first_token(serve_model, serve_policy, context))
     return row
 
@@ -236,14 +241,21 @@ def bench(
     kv_budget_gib: float = typer.Option(48.0, min=0.0, help="KV cache memory per scheme, GiB"),
     batch: str | None = typer.Option(None, help="fixed batches, comma-separated, instead of the largest that "
                                                 "fits the budget"),
-    ttft: bool = typer.Option(True, help="time the first token of one prompt per context (real prefill)"),
+    ttft_kv: str | None = typer.Option(None, help="schemes whose time to first token (one prompt per context, "
+                                                  "real prefill) is measured, comma-separated (default: all; "
+                                                  "'none': no scheme)"),
     dtype: str = typer.Option("bfloat16", help="weights and activations: bfloat16 | float32"),
     implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
     out: Path | None = typer.Option(None, help="JSON path (default bench/results/<device>/serving_<model>.json)"),
     plot_path: Path | None = typer.Option(None, "--plot", help="PNG path (default: beside the JSON)"),
 ):
-    """Decode throughput per KV scheme at one KV memory budget, beside its roofline."""
+    """Decode throughput per KV scheme at one KV memory budget, beside its roofline. (Unless
+    XLA_PYTHON_CLIENT_MEM_FRACTION is set, XLA may take 95% of the device's memory here.)"""
+    import os
+
     from rich.table import Table
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
     from oscar_jax.models import registry
     from oscar_jax.models.cli import load_calibration
@@ -269,15 +281,22 @@ def bench(
                               else kv_policy.make_policy(name, implementation=implementation))
         except ValueError as e:
             raise typer.BadParameter(f"--kv {name}: {e}") from None
+    ttft = None if ttft_kv is None else tuple(s.strip() for s in ttft_kv.split(",") if s.strip() not in ("", "none"))
     spec = BenchSpec(schemes, ctx, steps, segment, kv_budget_gib, batches, ttft)
     label = Path(model).name if Path(model).exists() else model
-    rows = run(decoder, policies, spec, progress=lambda r: console.print(
-        f"{r['kv']:>6} ctx {r['context']:>7}: " + (r.get("error") or
-        f"B={r['batch']} {r['tpot_p50_ms']:.2f} ms/token ({r['step_over_roofline']:.2f}x roofline), "
-        f"{r['decode_tokens_per_s']:.0f} tok/s"), markup=False, highlight=False))
-    result = results.record(rows)
-    result.update(model=label, budget_gib=kv_budget_gib, dtype=dtype)
     out = out or Path("bench/results") / results.device_slug() / f"serving_{label}.json"
+    done = []
+
+    def progress(r):  # print the row, and keep the file current should the run be cut off
+        console.print(f"{r['kv']:>6} ctx {r['context']:>7}: " + (r.get("error") or (
+            f"B={r['batch']} {r['tpot_p50_ms']:.2f} ms/token ({r['step_over_roofline']:.2f}x roofline), "
+            f"{r['decode_tokens_per_s']:.0f} tok/s" + (f", TTFT {r['ttft_s']:.2f} s" if "ttft_s" in r else ""))),
+            markup=False, highlight=False)
+        done.append(r)
+        results.write({**results.record(done), "model": label, "budget_gib": kv_budget_gib, "dtype": dtype}, out)
+
+    rows = run(decoder, policies, spec, progress=progress)
+    result = {**results.record(rows), "model": label, "budget_gib": kv_budget_gib, "dtype": dtype}
     results.write(result, out)
     plot(rows, plot_path or out.with_suffix(".png"), f"{label}, {result['device']}, KV budget {kv_budget_gib:g} GiB")
     table = Table(title=f"oscar bench: {label} on {result['device']} (jax {result['jax']})")

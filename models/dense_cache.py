@@ -24,6 +24,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # prompt's amax lands at 200 (keys) / 100 (values) of 448, leaving headroom for later tokens.
 FP8_AMAX_TO = {"k": 200.0, "v": 100.0}
 _HI = jax.lax.Precision.HIGHEST
+IMPLEMENTATIONS = ("auto", "cudnn", "xla")
 
 
 def _static(default=dataclasses.MISSING):
@@ -37,7 +38,9 @@ class DenseCache:
 
     float8 only: k_scale, v_scale float32 [B, Hkv]; the cache holds e4m3(clip(x / scale,
     ±448)) and attention reads stored * scale (`fp8_scale` says how the scale is set).
-    `window` (sliding layers) limits what a query sees to its last `window` positions."""
+    `window` (sliding layers) limits what a query sees to its last `window` positions.
+    `implementation` of decode attention: "cudnn" (flash attention), "xla" or "auto" (cuDNN
+    where `cudnn_decode_supported`, else XLA)."""
 
     k: jax.Array
     v: jax.Array
@@ -45,13 +48,16 @@ class DenseCache:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
     window: int | None = _static(None)
+    implementation: str = _static("auto")
 
     @classmethod
-    def init(cls, batch, kv_heads, head_dim, max_len, dtype, window=None) -> "DenseCache":
+    def init(cls, batch, kv_heads, head_dim, max_len, dtype, window=None, implementation="auto") -> "DenseCache":
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS}")
         shape = (batch, max_len, kv_heads, head_dim)
         scale = lambda: jnp.ones((batch, kv_heads), jnp.float32) if dtype == FP8 else None
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32),
-                   scale(), scale(), window)  # distinct buffers: the state is donated
+                   scale(), scale(), window, implementation)  # distinct buffers: the state is donated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +168,21 @@ def write_prompt(layer: DenseCache | KiviCache, k: jax.Array, v: jax.Array, leng
 
 
 def cudnn_decode_supported(layer, queries: int) -> bool:
-    """Whether one-query decode over this cache runs on cuDNN's flash attention (GPU, bf16 or
+    """Whether one-query decode over this cache can run on cuDNN's flash attention (GPU, bf16 or
     fp16 storage, head dim <= 256 and a multiple of 8, no sliding window)."""
     d = layer.k.shape[-1]
     return (jax.default_backend() == "gpu" and queries == 1 and isinstance(layer, DenseCache)
             and layer.window is None and layer.k.dtype in (jnp.bfloat16, jnp.float16)
             and d <= 256 and d % 8 == 0)
+
+
+def _use_cudnn(layer, queries: int) -> bool:
+    """Whether this call runs on cuDNN: "auto" where supported; "cudnn" must be supported."""
+    impl = getattr(layer, "implementation", "auto")
+    if impl == "cudnn" and not cudnn_decode_supported(layer, queries):
+        raise ValueError(f"implementation='cudnn' cannot run this call ({jax.default_backend()} backend, "
+                         f"{layer.k.dtype} cache, C={queries}); use 'auto' or 'xla'")
+    return impl != "xla" and cudnn_decode_supported(layer, queries)
 
 
 def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -193,7 +208,7 @@ def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: 
     layer = dataclasses.replace(layer, k=put(layer.k, k, k_scale), v=put(layer.v, v, v_scale), lengths=n + c)
     if isinstance(layer, KiviCache):
         layer = _kivi_refresh(layer, layer.quantised_length(n))
-    if cudnn_decode_supported(layer, c):
+    if _use_cudnn(layer, c):
         o = jax.nn.dot_product_attention(q.astype(layer.k.dtype), layer.k, layer.v, scale=softmax_scale,
                                          key_value_seq_lengths=jnp.minimum(n + 1, t_max), implementation="cudnn")
         return o.astype(q.dtype), layer

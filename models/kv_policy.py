@@ -132,6 +132,12 @@ class DensePolicy:
     scales, see `dense_cache.fp8_scale`) for every layer; no sink, no window."""
 
     dtype: str = "bfloat16"
+    implementation: str = "auto"  # decode attention: "auto", "cudnn" or "xla" (`dense_cache`)
+
+    def __post_init__(self):
+        if self.implementation not in dense_cache.IMPLEMENTATIONS:
+            raise ValueError(f"DensePolicy.implementation={self.implementation!r}: expected one of "
+                             f"{dense_cache.IMPLEMENTATIONS}")
 
     @property
     def name(self) -> str:
@@ -140,7 +146,7 @@ class DensePolicy:
     def init(self, cfg, batch: int, max_len: int, chunk: int = 1) -> KVState:
         window = lambda kind: cfg.sliding_window if kind == SLIDING else None
         layers = tuple(DenseCache.init(batch, cfg.num_kv_heads, cfg.head_dim, max_len, jnp.dtype(self.dtype),
-                                       window(kind)) for kind in cfg.layer_types)
+                                       window(kind), self.implementation) for kind in cfg.layer_types)
         return KVState(layers, jnp.zeros((batch,), jnp.int32))
 
 
@@ -241,13 +247,12 @@ POLICIES = ("bf16", "fp32", "fp8", "oscar", "quarot", "kivi", "int2", "int4", "i
 
 def make_policy(name: str, *, implementation: str = "auto"):
     """A policy by name (one of POLICIES); "oscar" here is uncalibrated (identity
-    rotation, the reference clips): a calibrated one comes from `cli.load_calibration`."""
-    if name == "bf16":
-        return DensePolicy("bfloat16")
-    if name == "fp32":
-        return DensePolicy("float32")
-    if name == "fp8":
-        return DensePolicy("float8_e4m3fn")
+    rotation, the reference clips): a calibrated one comes from `cli.load_calibration`.
+    implementation: the attention of the policy's caches ("auto" or "xla" for every one;
+    `attention.attend`'s kernels for OSCAR caches, "cudnn" for dense ones)."""
+    dense = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}
+    if name in dense:
+        return DensePolicy(dense[name], implementation)
     if name == "oscar":
         return oscar_policy(implementation=implementation)
     if name == "quarot":
