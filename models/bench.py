@@ -32,19 +32,19 @@ from oscar_jax.models.decoder import Decoder, fold_values
 GIB = 2 ** 30
 
 
-def copy_bandwidth(nbytes: int | None = None, reps: int = 10) -> float:
-    """Bytes read plus written per second by a device-to-device copy (median): of 1 GiB on an
-    accelerator (far past its caches), 64 MiB on a CPU."""
-    nbytes = nbytes or (2 ** 26 if jax.default_backend() == "cpu" else GIB)
+def copy_bandwidth(nbytes: int | None = None, reps: int = 20) -> float:
+    """Bytes read plus written per second by device memory passes (read one buffer, write one):
+    `reps` passes over 2 GiB on an accelerator (far past its caches; 64 MiB on a CPU),
+    dispatched back to back so that the host's launch and wait do not count."""
+    nbytes = nbytes or (2 ** 26 if jax.default_backend() == "cpu" else 2 * GIB)
     x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a + 1)
-    copy(x).block_until_ready()
-    times = []
+    step = jax.jit(lambda a: a * 0.5 + 1, donate_argnums=0)  # one read and one write per element
+    x = step(x).block_until_ready()
+    t0 = time.perf_counter()
     for _ in range(reps):
-        t0 = time.perf_counter()
-        copy(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / float(np.median(times))
+        x = step(x)
+    x.block_until_ready()
+    return 2 * nbytes * reps / (time.perf_counter() - t0)
 
 
 def weight_bytes(model: Decoder) -> int:
@@ -57,9 +57,11 @@ def weight_bytes(model: Decoder) -> int:
 
 
 def sequence_bytes(model: Decoder, policy, max_len: int) -> int:
-    """KV bytes allocated per sequence of capacity `max_len` (every cache array grows with the batch)."""
+    """Bytes of one sequence's K/V arrays and their scales at capacity `max_len` (each grows with
+    the batch), the per-sequence counters (lengths, flags) left out."""
     state = jax.eval_shape(lambda: policy.init(model.cfg, 1, max_len))
-    return kv_policy.nbytes(state)
+    caches = [layer.cache if isinstance(layer, kv_policy.OscarLayer) else layer for layer in state.layers]
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches) if x.ndim >= 2)
 
 
 @functools.partial(jax.jit, static_argnames=("context",), donate_argnames=("full",))
@@ -70,8 +72,10 @@ def _fill_layer(one, full, key, *, context: int):
     k, v = (jax.random.normal(part, shape, jnp.bfloat16) for part in jax.random.split(key))
     one = kv_policy.write_prompt(one, k, v, jnp.full((1,), context, jnp.int32))
     leaves, treedef = jax.tree.flatten(full)  # (its static batch differs from one's)
-    return treedef.unflatten([jnp.broadcast_to(src, dst.shape).astype(dst.dtype)
-                              for src, dst in zip(jax.tree.leaves(one), leaves)])
+    # An update of `full` (not a new array), so that its donated buffers are reused.
+    fill = lambda src, dst: jax.lax.dynamic_update_slice(dst, jnp.broadcast_to(src, dst.shape).astype(dst.dtype),
+                                                         (0,) * dst.ndim)
+    return treedef.unflatten([fill(src, dst) for src, dst in zip(jax.tree.leaves(one), leaves)])
 
 
 def _heads(layer) -> tuple[int, int]:

@@ -301,6 +301,37 @@ def _write_history(codes, lo, scale, new: quant.Quantized, start, count, bits: i
     return codes, lo, scale
 
 
+def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits: int, channel_major: bool):
+    """Decode's history write: one token per sequence at history index `index` int32 [B] (skipped
+    where negative or not `ok` [B]), as a read-modify-write of its byte row and one metadata
+    element, so a step touches a handful of bytes and stays a few fused kernels.
+
+    codes uint8 [B, H, R, D] ([B, H, D, R] when channel_major); lo/scale [B, H, G, tpb, R];
+    new is unpacked: codes [B, H, 1, D], lo/scale [B, H, 1, G]."""
+    tpb = 8 // bits
+    rows = codes.shape[-1 if channel_major else -2]
+    if rows == 0:  # a cache without history
+        return codes, lo, scale
+    bidx = jnp.arange(codes.shape[0])
+    at = jnp.maximum(index, 0)
+    row, slot = at // tpb, at % tpb
+    row = jnp.where((index >= 0) & ok, row, rows)  # past the end: dropped
+    shift = (bits * slot).astype(jnp.uint8)[:, None, None]
+    mask = jnp.uint8((1 << bits) - 1)
+    code = new.codes[:, :, 0, :].astype(jnp.uint8)  # [B, H, D]
+    if channel_major:
+        old = codes[bidx, :, :, jnp.minimum(row, rows - 1)]  # [B, H, D]
+        merged = (old & ~(mask << shift)) | (code << shift)
+        codes = codes.at[bidx, :, :, row].set(merged, mode="drop")
+    else:
+        old = codes[bidx, :, jnp.minimum(row, rows - 1)]  # [B, H, D]
+        merged = (old & ~(mask << shift)) | (code << shift)
+        codes = codes.at[bidx, :, row].set(merged, mode="drop")
+    lo = lo.at[bidx, :, :, slot, row].set(new.lo[:, :, 0], mode="drop")
+    scale = scale.at[bidx, :, :, slot, row].set(new.scale[:, :, 0], mode="drop")
+    return codes, lo, scale
+
+
 # ----------------------------------------------------------------------------
 # Public updates (per-layer view)
 
@@ -345,11 +376,13 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         q = quant.quantize(evicted, spec.quant, clip)
         # New token i evicts history index n + i - W - S0 (kept where >= 0).
         start = n - w - s0
-        count = jnp.where(ok, c, 0)
-        write = functools.partial(_write_history, bits=bits, channel_major=layout.CHANNEL_MAJOR[which])
-        codes, lo, scale = jax.vmap(write)(
-            getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
-            getattr(cache, f"hist_scale_{which}"), q, start, count)
+        hist = (getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
+                getattr(cache, f"hist_scale_{which}"))
+        if c == 1:
+            codes, lo, scale = _write_history_token(*hist, q, start, ok, bits, layout.CHANNEL_MAJOR[which])
+        else:
+            write = functools.partial(_write_history, bits=bits, channel_major=layout.CHANNEL_MAJOR[which])
+            codes, lo, scale = jax.vmap(write)(*hist, q, start, jnp.where(ok, c, 0))
         in_sink = (pos < s0) & ok[:, None]
         sink = sink.at[bidx, :, jnp.where(in_sink, pos, s0)].set(
             jnp.moveaxis(x_rot, 2, 1), mode="drop")

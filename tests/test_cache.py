@@ -200,3 +200,30 @@ def test_layer_params_split_the_kernel_rotations_once():
     one = params.layer(1)
     for name in ("query_rot_parts", "output_rot_parts", "query_rot_stats"):
         np.testing.assert_array_equal(np.asarray(getattr(one, name)), np.asarray(getattr(params, name)[1]))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("channel_major", [False, True])
+def test_single_token_history_write_equals_the_window_write(bits, channel_major):
+    """Decode's one-token history write (a byte row read-modified-written) gives exactly the
+    bytes and metadata of the general windowed write, for random packed histories, every slot
+    of a byte, a negative index (nothing written) and a row flagged not ok."""
+    rng = np.random.default_rng(bits + 10 * channel_major)
+    b, h, d, g, rows = 6, 2, 16, 2, 5
+    tpb = 8 // bits
+    shape = (b, h, d, rows) if channel_major else (b, h, rows, d)
+    codes = jnp.asarray(rng.integers(0, 256, shape), jnp.uint8)
+    lo, scale = (jnp.asarray(rng.standard_normal((b, h, g, tpb, rows)), jnp.bfloat16) for _ in range(2))
+    new = cache_lib.quant.Quantized(
+        codes=jnp.asarray(rng.integers(0, 2 ** bits, (b, h, 1, d)), jnp.uint8),
+        lo=jnp.asarray(rng.standard_normal((b, h, 1, g)), jnp.bfloat16),
+        scale=jnp.asarray(rng.standard_normal((b, h, 1, g)), jnp.bfloat16))
+    index = jnp.asarray([0, tpb - 1, tpb * rows - 1, 2 * tpb + 1 if tpb > 1 else 2, -3, 3], jnp.int32)
+    ok = jnp.asarray([True, True, True, True, True, False])
+    got = cache_lib._write_history_token(codes, lo, scale, new, index, ok, bits, channel_major)
+    window = jax.vmap(lambda c, l, s, q, i, n: cache_lib._write_history(
+        c, l, s, q, i, n, bits=bits, channel_major=channel_major))
+    want = window(codes, lo, scale, new, index, jnp.where(ok, 1, 0))
+    for got_x, want_x in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(codes))  # something was written
