@@ -1,4 +1,4 @@
-"""oscar_jax.models: the application layer (DESIGN §2).
+"""oscar_jax.models: the application layer (docs/ARCHITECTURE.md §1).
 
   registry     model names (smollm2, gemma3) -> files; `load(name|.gguf|HF dir)`
   config       `ModelConfig` from HF config.json or GGUF metadata

@@ -1,7 +1,7 @@
 """Teacher-forced evaluation THROUGH the real cache, against full precision in lockstep.
 
 Each context window starts with a prefill of its first `chunk` tokens, then
-`extend` chunks (append, then attend; DESIGN §1.3), so every later token
+`extend` chunks (append, then attend; docs/method.md §4), so every later token
 attends to quantised history exactly as serving would. A float32 dense cache
 runs the same chunks in lockstep; per chunk, and never more than one chunk's
 logits at a time, each scheme adds up its negative log-likelihood of the next

@@ -1,4 +1,4 @@
-"""Offline OSCAR calibration (DESIGN §1.1): activations -> statistics -> rotations, clips.
+"""Offline OSCAR calibration (docs/method.md §1): activations -> statistics -> rotations, clips.
 
 Pure functions of post-RoPE (and post qk-norm) Q/K/V batches; no model import.
 Arrays carry a leading layer axis L so one call serves a whole layer stack:

@@ -1,6 +1,6 @@
 """Pure-jnp attention over the mixed cache: the oracle every kernel is tested against.
 
-Contract (DESIGN §1.3): the C new tokens have ALREADY been appended, so with
+Contract (docs/method.md §4): the C new tokens have ALREADY been appended, so with
 n = lengths, query c sits at position n - C + c and attends causally to the sink
 (bf16) ++ dequantised history ++ recent ring (bf16). Each segment yields a
 normalised partial output and its log-sum-exp; `merge_partials` combines them

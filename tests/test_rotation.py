@@ -1,4 +1,4 @@
-"""Rotations: orthogonality and the published U·H·P placement (DESIGN §1.1)."""
+"""Rotations: orthogonality and the published U·H·P placement (docs/method.md §1.2)."""
 
 import jax.numpy as jnp
 import numpy as np
