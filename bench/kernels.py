@@ -25,7 +25,7 @@ sum over 4 GiB, `copy_GBps` a device-to-device copy (read + write), both in the 
     python bench/kernels.py --shapes b8-128k,b8-32k --no-write
     python bench/kernels.py --markdown bench/results/h200/decode_attention.json  # a table, no GPU
 
-Writes bench/results/<device>/decode_attention.json and bulk_write.json (the schema of
+Writes bench/results/<device>/decode_attention.json (--name) and bulk_write.json (the schema of
 `oscar_jax.models.results`; set OSCAR_COMMIT where the tree has no .git), each saved after
 every op timed, so a run cut off by a time limit keeps what it measured.
 """
@@ -415,7 +415,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--no-write", action="store_true", help="time the attention rows only, not the bulk write")
     p.add_argument("--out-dir", type=Path, default=None,
-                   help="folder for decode_attention.json and bulk_write.json (default: bench/results/<device>)")
+                   help="folder of the records (default: bench/results/<device>)")
+    p.add_argument("--name", default="decode_attention",
+                   help="file name (without .json) of the decode-attention record; the bulk write's is bulk_write")
     p.add_argument("--markdown", type=Path, metavar="FILE", help="print the table of a saved record; no GPU")
     args = p.parse_args(argv)
     if args.markdown:
@@ -441,7 +443,7 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
         print(markdown(write_rec))
     rec = results.record([], command)
-    path = out_dir / "decode_attention.json"
+    path = out_dir / f"{args.name}.json"
     for name in args.shapes:
         rec["rows"].append({})
         row = bench_shape(name, args.reps, device, rec["rows"][-1], saved=lambda: results.write(path, rec))
