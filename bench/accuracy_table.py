@@ -1,23 +1,33 @@
-"""Markdown tables from `oscar eval` / `oscar needle` JSON records.
+"""Markdown tables of `oscar eval` and `oscar needle` result files.
 
-    python bench/accuracy_table.py bench/results/accuracy_smollm2_ctx8192.json [...]
+    python bench/accuracy_table.py bench/results/h200/accuracy_smollm2.json [...]
 
-Rows of every eval file, or of every run in a validation file (ΔPPL against the
-bf16 row of the same run, else --bf16-ppl); needle files give accuracy per
-scheme and length, averaged over depths.
+Eval rows give PPL, ΔPPL, KL and top-1 per scheme; a file that collects several calls
+(each row naming its `command`, as the validation files do) gives one table per call.
+ΔPPL is against the bf16 row of the same call, else against a bf16 row of the same file
+over the same text and token count. Needle rows give accuracy per scheme and length,
+averaged over depths.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import sys
-from pathlib import Path
+
+from oscar_jax.models import results
 
 
-def eval_table(records: dict, bf16_ppl: float | None = None) -> str:
-    rows = records["results"]
-    base = next((r["ppl"] for r in rows if r["kv"] == "bf16"), bf16_ppl)
+def _bf16_ppl(rows: list[dict], like: dict) -> float | None:
+    """PPL of a bf16 row over the same text and tokens as `like`."""
+    return next((r["ppl"] for r in rows if r["kv"] == "bf16" and r["tokens"] == like["tokens"]
+                 and r.get("eval_text") == like.get("eval_text")), None)
+
+
+def eval_table(rows: list[dict], same_file: list[dict] = ()) -> str:
+    """ΔPPL against the bf16 row of `rows`, else of `same_file` (same text and tokens)."""
+    base = next((r["ppl"] for r in rows if r["kv"] == "bf16"), None)
+    if base is None:
+        base = _bf16_ppl(list(same_file), rows[0])
     out = ["| kv | bits/elem | PPL | ΔPPL | KL vs fp32 | top-1 |", "|---|---|---|---|---|---|"]
     for r in rows:
         dppl = "" if base is None else f"{r['ppl'] - base:+.3f}"
@@ -25,9 +35,9 @@ def eval_table(records: dict, bf16_ppl: float | None = None) -> str:
     return "\n".join(out)
 
 
-def needle_table(records: dict) -> str:
+def needle_table(rows: list[dict]) -> str:
     acc = collections.defaultdict(list)
-    for r in records["results"]:
+    for r in rows:
         acc[(r["kv"], r["length"])].append((r["accuracy"], r["trials"]))
     lengths = sorted({n for _, n in acc})
     out = ["| kv | " + " | ".join(str(n) for n in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
@@ -40,18 +50,21 @@ def needle_table(records: dict) -> str:
     return "\n".join(out)
 
 
+def tables(rec: dict) -> str:
+    """The tables of one record: needle accuracy, or eval rows per call."""
+    rows = rec["rows"]
+    head = f"{rec['device']}, jax {rec['jax']}, commit {rec['commit']}, {rec['date']}"
+    if "accuracy" in rows[0]:
+        return f"{head}\n`{rec['command']}`\n\n{needle_table(rows)}"
+    calls = collections.defaultdict(list)
+    for r in rows:
+        calls[r.get("command", rec["command"])].append(r)
+    return "\n\n".join(f"{head}\n`{command}`\n\n{eval_table(call, rows)}" for command, call in calls.items())
+
+
 def main(paths: list[str]) -> None:
-    bf16 = None
     for p in paths:
-        if p.startswith("--bf16-ppl="):
-            bf16 = float(p.split("=", 1)[1])
-            continue
-        data = json.loads(Path(p).read_text())
-        for records in data.get("runs", [data]):  # validation files hold several runs
-            meta = records["meta"]
-            print(f"\n{p}: {meta.get('device')}, jax {meta.get('jax')}\n`{meta.get('command')}`\n")
-            is_needle = "accuracy" in records["results"][0]
-            print(needle_table(records) if is_needle else eval_table(records, bf16))
+        print(f"\n{p}: {tables(results.read(p))}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Windows alternate between the two measurements (capture + accumulate, then a
 plain forward of the same window), so a shared, noisy CPU affects both alike.
-Both functions are compiled before timing. Prints a table and writes JSON to
-bench/results/calibration_time_<model>.json.
+Both functions are compiled before timing. Prints a table and writes
+bench/results/<device>/calibration_time_<model>.json (the schema of `oscar_jax.models.results`).
 
   .venv/bin/python bench/calibration_time.py --model smollm2 --tokens 32768
 """
@@ -11,8 +11,6 @@ bench/results/calibration_time_<model>.json.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +20,9 @@ import numpy as np
 
 from oscar_jax import calibrate as cal
 from oscar_jax.models import calibration as mc
-from oscar_jax.models import registry
+from oscar_jax.models import registry, results
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main() -> None:
@@ -55,21 +55,18 @@ def main() -> None:
     t0 = time.perf_counter()
     cal.statistics(acc)
     finalize_s = time.perf_counter() - t0
-    result = {
+    row = {
         "model": args.model, "tokens": int(rows.size), "seq_len": args.seq_len,
         "calibration_layers": len(layers), "calibration_forward_s": calib_s,
         "statistics_finalize_s": finalize_s, "plain_forward_s": forward_s,
-        "ratio": (calib_s + finalize_s) / forward_s, "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__, "command": " ".join(sys.argv),
+        "ratio": (calib_s + finalize_s) / forward_s,
     }
-    out = Path("bench/results") / f"calibration_time_{args.model}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"{args.model}: {rows.size} tokens in windows of {args.seq_len} on {result['device']} "
-          f"(jax {result['jax']})")
+    rec = results.record([row])
+    out = results.write(results.default_path(RESULTS, f"calibration_time_{args.model}"), rec)
+    print(f"{args.model}: {rows.size} tokens in windows of {args.seq_len} on {rec['device']} (jax {rec['jax']})")
     print(f"  capture + accumulate  {calib_s:8.1f} s  (+ finalize {finalize_s:.1f} s)")
     print(f"  plain forward         {forward_s:8.1f} s")
-    print(f"  ratio                 {result['ratio']:8.2f}x   -> {out}")
+    print(f"  ratio                 {row['ratio']:8.2f}x   -> {out}")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def main(argv=None) -> None:
         kv, batch, context = cell.split(":")
         row = {"model": args.model, **profile(model, kv, bench._parse_count(context), int(batch), args.steps)}
         rows.append(row)
-        results.write(results.record(rows), args.out)
+        results.write(args.out, results.record(rows))
         print(f"{row['kv']} B={row['batch']} ctx={row['context']}: span {row['span_ms_per_step']:.3f} ms/step, "
               f"kernels {row['busy_ms_per_step']:.3f} ms/step, {row['kernels_per_step']:.0f} kernels/step")
         for g in row["groups"][:args.top]:

@@ -288,20 +288,21 @@ def bench(
     ttft = None if ttft_kv is None else tuple(s.strip() for s in ttft_kv.split(",") if s.strip() not in ("", "none"))
     spec = BenchSpec(schemes, ctx, steps, segment, kv_budget_gib, batches, ttft)
     label = Path(model).name if Path(model).exists() else model
-    out = out or Path("bench/results") / results.device_slug() / f"serving_{label}.json"
+    out = out or results.default_path("bench/results", f"serving_{label}")
     done = []
+    described = lambda r: {"model": label, "dtype": dtype, **r}
 
     def progress(r):  # print the row, and keep the file current should the run be cut off
         console.print(f"{r['kv']:>6} ctx {r['context']:>7}: " + (r.get("error") or (
             f"B={r['batch']} {r['tpot_p50_ms']:.2f} ms/token ({r['step_over_roofline']:.2f}x roofline), "
             f"{r['decode_tokens_per_s']:.0f} tok/s" + (f", TTFT {r['ttft_s']:.2f} s" if "ttft_s" in r else ""))),
             markup=False, highlight=False)
-        done.append(r)
-        results.write({**results.record(done), "model": label, "budget_gib": kv_budget_gib, "dtype": dtype}, out)
+        done.append(described(r))
+        results.write(out, results.record(done))
 
-    rows = run(decoder, policies, spec, progress=progress)
-    result = {**results.record(rows), "model": label, "budget_gib": kv_budget_gib, "dtype": dtype}
-    results.write(result, out)
+    rows = [described(r) for r in run(decoder, policies, spec, progress=progress)]
+    result = results.record(rows)
+    results.write(out, result)
     plot(rows, plot_path or out.with_suffix(".png"), f"{label}, {result['device']}, KV budget {kv_budget_gib:g} GiB")
     table = Table(title=f"oscar bench: {label} on {result['device']} (jax {result['jax']})")
     for col in ("kv", "context", "batch", "bits/el", "ms/token p50", "x roofline", "tok/s", "x bf16", "ceiling",

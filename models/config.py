@@ -197,7 +197,8 @@ class ModelConfig:
             output_bias=mt != "qwen2" and bool(c.get("attention_bias")),
             qk_norm=mt in ("qwen3", "gemma3_text"),
             activation="gelu_tanh" if gemma else "silu",
-            query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", GEMMA3_QUERY_PRE_ATTN_SCALAR)) if gemma else None,
+            query_pre_attn_scalar=(float(c.get("query_pre_attn_scalar", GEMMA3_QUERY_PRE_ATTN_SCALAR))
+                                   if gemma else None),
             embed_scale=gemma,
             post_norms=gemma,
             bos_token_id=c.get("bos_token_id"),

@@ -1,7 +1,7 @@
 """Teacher-forced evaluation THROUGH the real cache, against full precision in lockstep.
 
 Each context window starts with a prefill of its first `chunk` tokens, then
-`extend` chunks (append, then attend; DESIGN §1.3), so every later token
+`extend` chunks (append, then attend; docs/method.md §4), so every later token
 attends to quantised history exactly as serving would. A float32 dense cache
 runs the same chunks in lockstep; per chunk, and never more than one chunk's
 logits at a time, each scheme adds up its negative log-likelihood of the next
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from oscar_jax import cache as oc
 from oscar_jax import rotation
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import corpus, kv_policy, registry
+from oscar_jax.models import results as results_io
 from oscar_jax.models import generate as gen
 from oscar_jax.models.cli import app, console, load_calibration
 from oscar_jax.models.decoder import Decoder, forward_logits
@@ -326,13 +326,12 @@ def eval_command(
         table.add_row(r.kv, f"{r.bpe:.2f}", f"{r.ppl:.4f}", dppl, f"{r.kl:.5f}", f"{r.top1:.4f}",
                       f"{r.seconds:.0f}")
     console.print(table)
-    meta = {"model": model, "text": source, "context": context, "chunk": chunk, "windows": len(rows),
-            "device": device, "jax": jax.__version__, "command": "oscar " + " ".join(sys.argv[1:])}
     if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"meta": meta, "results": [dataclasses.asdict(r) for r in results]},
-                                       indent=1))
+        run = {"model": model, "context": context, "chunk": chunk, "windows": len(rows), "eval_text": source["eval"]}
+        records = [{**dataclasses.asdict(r), **run,
+                    **({"calibration": source["calibration"]} if SCHEMES[r.kv][0] else {})} for r in results]
+        results_io.write(json_out, results_io.record(records, "oscar " + " ".join(sys.argv[1:])))
     if plot_out and base is not None:
-        plot(results, base, plot_out, f"{model}, {meta['text']['eval'][:60]}..., context {context}, "
+        plot(results, base, plot_out, f"{model}, {source['eval'][:60]}..., context {context}, "
                                       f"{device}, jax {jax.__version__}")
 

@@ -8,7 +8,6 @@ fraction of trials whose generated text contains the passkey's digits.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from rich.table import Table
 
 from oscar_jax.models import generate as gen
 from oscar_jax.models import registry
+from oscar_jax.models import results as results_io
 from oscar_jax.models.cli import app, console, load_calibration
 from oscar_jax.models.evaluate import SCHEMES, scheme_policy
 
@@ -115,8 +115,5 @@ def needle(
         table.add_row(r.kv, str(r.length), f"{r.depth:.2f}", f"{r.accuracy:.2f}", f"{r.bpe:.2f}")
     console.print(table)
     if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"model": model, "device": device, "jax": jax.__version__,
-                "command": "oscar " + " ".join(sys.argv[1:])}
-        json_out.write_text(json.dumps({"meta": meta, "results": [dataclasses.asdict(r) for r in results]},
-                                       indent=1))
+        records = [{"model": model, **dataclasses.asdict(r)} for r in results]
+        results_io.write(json_out, results_io.record(records, "oscar " + " ".join(sys.argv[1:])))

@@ -1,4 +1,4 @@
-"""The calibration artifact: one versioned orbax checkpoint directory (DESIGN §1.1 step 6).
+"""The calibration artifact: one versioned orbax checkpoint directory (docs/method.md §1.5).
 
 Layout: `arrays/` (orbax StandardSave of rot_k, rot_v, dual_k, dual_v [L, Hkv, D, D],
 eigenvalues_k, eigenvalues_v [L, Hkv, D], clip_k, clip_v [L], with center_keys also

@@ -1,4 +1,4 @@
-"""The mixed-precision KV state (DESIGN §3) and its pure update functions.
+"""The mixed-precision KV state (docs/ARCHITECTURE.md §3) and its pure update functions.
 
 `OscarCache` holds one layer group (e.g. all global-attention layers). Every
 array leaf carries the same leading axes: `[L, ...]` for the layer-stacked
@@ -555,7 +555,7 @@ def nbytes(cache) -> int:
 
 
 def bits_per_element(cache: OscarCache) -> float:
-    """Stored bits per K/V element at the current lengths (DESIGN §1.2 formula),
+    """Stored bits per K/V element at the current lengths (the formula of docs/method.md §3.3),
     averaged over the batch's held tokens; metadata and bf16 segments included."""
     lengths = np.asarray(cache.lengths).reshape(-1, cache.spec.batch)[0]
     held = [(int(n), _bpe_formula(cache.spec, int(n))) for n in lengths if n > 0]

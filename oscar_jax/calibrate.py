@@ -1,4 +1,4 @@
-"""Offline OSCAR calibration (DESIGN §1.1): activations -> statistics -> rotations, clips.
+"""Offline OSCAR calibration (docs/method.md §1): activations -> statistics -> rotations, clips.
 
 Pure functions of post-RoPE (and post qk-norm) Q/K/V batches; no model import.
 Arrays carry a leading layer axis L so one call serves a whole layer stack:
@@ -184,7 +184,8 @@ class Statistics:
 
     query_cov: C_h [L, Hkv, D, D] = mean over tokens and the group's g heads of q qᵀ;
     key_cov: [L, Hkv, D, D] = mean k kᵀ; key_mean: [L, Hkv, D] = mean k;
-    value_cov: [L, Hkv, D, D] = Σ_t w_h[t] v vᵀ / Σ_t w_h[t] (weights normalised to average 1); tokens: calibration tokens; value_weighting: its name.
+    value_cov: [L, Hkv, D, D] = Σ_t w_h[t] v vᵀ / Σ_t w_h[t] (weights normalised to average 1);
+    tokens: calibration tokens; value_weighting: its name.
     """
 
     query_cov: np.ndarray

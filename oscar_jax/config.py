@@ -16,7 +16,7 @@ Codebook = Literal["uniform", "lloyd_max"]
 ScaleDtype = Literal["bfloat16", "float32"]
 
 # Gaussian Lloyd-Max levels for 4 levels, in units of `scale` from `lo`
-# (DESIGN §1.2): the span is mu +- LLOYD_MAX_SPAN * sigma (times the clip ratio).
+# (docs/method.md §2.1): the span is mu +- LLOYD_MAX_SPAN * sigma (times the clip ratio).
 LLOYD_MAX_LEVELS = (0.0, 1.05, 1.95, 3.0)
 LLOYD_MAX_SPAN = 1.51
 HIST_TILE = 256  # tokens: a history longer than this is allocated in whole tiles of it
@@ -28,7 +28,7 @@ def _is_power_of_two(n: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """Per-token, per-group asymmetric quantiser (DESIGN §1.2).
+    """Per-token, per-group asymmetric quantiser (docs/method.md §2).
 
     bits: 2, 4 or 8 code bits per element.
     group_size: channels per (lo, scale) pair; None means one group per head
@@ -91,7 +91,7 @@ class QuantConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """Static shape of one layer group of the mixed cache (DESIGN §3).
+    """Static shape of one layer group of the mixed cache (docs/ARCHITECTURE.md §3).
 
     Positions [0, sink) live in the bf16 sink, the last `window` positions in
     the bf16 recent ring, and everything between in the quantised history of

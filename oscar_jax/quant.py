@@ -1,4 +1,4 @@
-"""Per-token, per-group asymmetric quantiser (DESIGN §1.2).
+"""Per-token, per-group asymmetric quantiser (docs/method.md §2).
 
 For each token and each group of G channels:
   uniform:   mid = (max+min)/2, half = c*(max-min)/2, lo = mid - half,

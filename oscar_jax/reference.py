@@ -1,6 +1,6 @@
 """Pure-jnp attention over the mixed cache: the oracle every kernel is tested against.
 
-Contract (DESIGN §1.3): the C new tokens have ALREADY been appended, so with
+Contract (docs/method.md §4): the C new tokens have ALREADY been appended, so with
 n = lengths, query c sits at position n - C + c and attends causally to the sink
 (bf16) ++ dequantised history ++ recent ring (bf16). Each segment yields a
 normalised partial output and its log-sum-exp; `merge_partials` combines them
@@ -90,7 +90,8 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     segments.append((cache.sink_k, cache.sink_v, (sink_pos < n[:, None, None]) & (sink_pos <= qp[..., None])))
     if spec.hist_capacity:
         hist_pos = s0 + jnp.arange(spec.hist_capacity)[None, None, :]
-        segments.append((cache.dequantized_hist("k"), cache.dequantized_hist("v"), (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None])))
+        visible = (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None])
+        segments.append((cache.dequantized_hist("k"), cache.dequantized_hist("v"), visible))
     rpos = ring_positions(n, s0, w)[:, None, :]
     segments.append((cache.recent_k, cache.recent_v, (rpos >= 0) & (rpos <= qp[..., None])))
 

@@ -1,4 +1,4 @@
-"""Orthogonal rotations applied to keys/values as rows: k_rot = k @ R (DESIGN §1.1).
+"""Orthogonal rotations applied to keys/values as rows: k_rot = k @ R (docs/method.md §1.2).
 
 `compose(U, eigenvalues)` is the published OSCAR rotation R = U · H_D · P:
 H_D the orthonormal Sylvester Hadamard matrix and P the bit-reversal

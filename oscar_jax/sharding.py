@@ -1,4 +1,4 @@
-"""PartitionSpecs for the KV state on a device mesh (DESIGN §3).
+"""PartitionSpecs for the KV state on a device mesh (docs/ARCHITECTURE.md §6).
 
 Logical axes map to mesh axes through one rules table: batch -> `data`,
 kv_heads -> `model`. A logical axis is replicated when its size is not a

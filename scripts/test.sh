@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up .venv (scripts/setup.sh) and run the test suite on the CPU, 2 workers.
+# Set up .venv (scripts/setup.sh), lint with ruff, then run the test suite on the CPU, 2 workers.
 # Extra arguments go to pytest, e.g. scripts/test.sh tests/test_cache.py -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -n 2 --dist worksteal -q "$@"

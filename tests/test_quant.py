@@ -1,4 +1,4 @@
-"""Properties of the quantiser and the packed layout (DESIGN §1.2, §3)."""
+"""Properties of the quantiser and the packed layout (docs/method.md §2, docs/ARCHITECTURE.md §3)."""
 
 import jax
 import jax.numpy as jnp

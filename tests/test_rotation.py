@@ -1,4 +1,4 @@
-"""Rotations: orthogonality and the published U·H·P placement (DESIGN §1.1)."""
+"""Rotations: orthogonality and the published U·H·P placement (docs/method.md §1.2)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +16,8 @@ def test_hadamard_orthonormal(n):
 
 def test_block_hadamard_is_block_diagonal():
     h = np.asarray(rotation.hadamard(16, block=4))
-    np.testing.assert_array_equal(h, np.kron(np.eye(4), np.asarray(rotation.hadamard(4))))  # all 4 blocks, zeros elsewhere
+    # all 4 blocks, zeros elsewhere
+    np.testing.assert_array_equal(h, np.kron(np.eye(4), np.asarray(rotation.hadamard(4))))
     np.testing.assert_allclose(h @ h.T, np.eye(16), atol=1e-6)
 
 

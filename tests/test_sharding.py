@@ -1,7 +1,5 @@
 """Sharded attend on 8 fake CPU devices equals the one-device result; one compilation."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
