@@ -20,7 +20,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from oscar_jax.models import bench, generate as gen, kv_policy, registry, results  # noqa: E402
 from oscar_jax.models.decoder import fold_values  # noqa: E402

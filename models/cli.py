@@ -98,7 +98,8 @@ def generate(
     table.add_column("")
     table.add_column("value", justify="right")
     for name, value in (
-            ("device", jax.devices()[0].device_kind), ("jax", jax.__version__), ("model", str(model)), ("kv", policy.name),
+            ("device", jax.devices()[0].device_kind), ("jax", jax.__version__), ("model", str(model)),
+            ("kv", policy.name),
             ("R_V folded into wo", str(decoder.values_folded)), ("prompt tokens", str(len(ids))),
             ("new tokens", str(len(new))), ("decode tokens/s", f"{out.decode_tokens_per_s:.1f}"),
             ("prefill s", f"{out.seconds['prefill']:.2f}"), ("compile s", f"{out.seconds['compile']:.1f}"),

@@ -277,7 +277,8 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         self.values_folded, self.folded_rotation = False, ""
-        self.embed = nnx.Param((0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(dtype))
+        embed = 0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))
+        self.embed = nnx.Param(embed.astype(dtype))
         self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(

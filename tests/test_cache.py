@@ -1,5 +1,7 @@
 """The KV-state pytree: writes and appends against an independent position model."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,8 +223,7 @@ def test_single_token_history_write_equals_the_window_write(bits, channel_major)
     index = jnp.asarray([0, tpb - 1, tpb * rows - 1, 2 * tpb + 1 if tpb > 1 else 2, -3, 3], jnp.int32)
     ok = jnp.asarray([True, True, True, True, True, False])
     got = cache_lib._write_history_token(codes, lo, scale, new, index, ok, bits, channel_major)
-    window = jax.vmap(lambda c, l, s, q, i, n: cache_lib._write_history(
-        c, l, s, q, i, n, bits=bits, channel_major=channel_major))
+    window = jax.vmap(functools.partial(cache_lib._write_history, bits=bits, channel_major=channel_major))
     want = window(codes, lo, scale, new, index, jnp.where(ok, 1, 0))
     for got_x, want_x in zip(got, want):
         np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))
