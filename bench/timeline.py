@@ -1,6 +1,6 @@
 """Per-program timeline of the Mosaic GPU decode kernel: when each program ends, on which SM.
 
-Builds an instrumented copy of `mixed_attention_mgpu` (its source with three stamps per
+Builds an instrumented copy of `mixed_attention_mgpu` (its kernel's source with three stamps per
 program: %globaltimer, %clock64 and %smid at the program's start, after its first piece and
 at its end, written to one more output) and runs the B8 H32/8 D128 decode at --seq tokens.
 The stamps cost a few instructions per program, none per step. Reports the spread of the
@@ -32,10 +32,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import kernels as bk  # noqa: E402
+from oscar_jax.pallas_kernels import layout  # noqa: E402
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as mm  # noqa: E402
+from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu_kernel as mk  # noqa: E402
 
-# (text of mixed_attention_mgpu.py, its instrumented replacement); each must occur once.
-_PATCH = [
+# (text, its instrumented replacement) in the kernel's body (mixed_attention_mgpu_kernel.py)
+# and in its entry point (mixed_attention_mgpu.py); each must occur once.
+_KERNEL_PATCH = [
     ("sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes,",
      "sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, t_ref, *, codes, stamp_smem,"),
     ("    writes = flat < line.programs\n",
@@ -45,18 +48,26 @@ _PATCH = [
      "    _stamp(stamp_smem, 6)\n    plgpu.commit_smem()\n    plgpu.copy_smem_to_gmem(stamp_smem, t_ref.at[flat])\n"
      "    plgpu.wait_smem_to_gmem(0)\n"),
     ("        red_smem=plgpu.SMEM(", "        stamp_smem=plgpu.SMEM((wgs, 16), jnp.int32),\n        red_smem=plgpu.SMEM("),
-    ("                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32)],",
-     "                  jax.ShapeDtypeStruct((b, hkv, partials.max(), _N), jnp.float32),\n"
+    ("                  jax.ShapeDtypeStruct((b, hkv, partials.max(), N), jnp.float32)],",
+     "                  jax.ShapeDtypeStruct((b, hkv, partials.max(), N), jnp.float32),\n"
      "                  jax.ShapeDtypeStruct((-(-line.programs // wgs) * wgs, 16), jnp.int32)],"),
+]
+_WRAPPER_PATCH = [
+    ("from . import mixed_attention_mgpu_kernel as kernel_lib\n",
+     "kernel_lib = __import__('sys').modules[__name__ + '_kernel']\n"),
     ("    o_t, lse2 = kernel(", "    o_t, lse2, stamps = kernel("),
-    ("    partials = line.tables()[2]  # per pair\n",
-     "    partials = line.tables()[2]  # per pair\n"
-     "    globals()['last_line'], globals()['last_warpgroups'] = line, warpgroups  # (for the summary)\n"),
+    ("    kernel = kernel_lib.history_kernel(\n",
+     "    globals()['last_line'], globals()['last_warpgroups'] = line, config.warpgroups  # (for the summary)\n"
+     "    kernel = kernel_lib.history_kernel(\n"),
     ("    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq)",
      "    return o.reshape(b, 1, hq, d), lse.reshape(b, 1, hq), stamps"),
 ]
 
 _STAMP = '''
+
+from jaxlib.mlir import ir  # noqa: E402
+from jaxlib.mlir.dialects import arith, llvm, memref  # noqa: E402
+
 
 def _stamp(ref, col):
     """ref int32 [16] (shared memory): ref[col], ref[col + 1], ref[col + 2] = the low 32 bits
@@ -74,18 +85,27 @@ def _stamp(ref, col):
 '''
 
 
-def instrumented() -> types.ModuleType:
-    """mixed_attention_mgpu with the stamps, as a module of the same package."""
-    src = open(mm.__file__).read()
-    for old, new in _PATCH:
+def _patched(module, patch, name: str, extra: str = "") -> types.ModuleType:
+    """`module`'s source with `patch` applied (and `extra` appended), as module `name` of the
+    same package."""
+    src = open(module.__file__).read()
+    for old, new in patch:
         if src.count(old) != 1:
-            raise RuntimeError(f"mixed_attention_mgpu.py changed: {old[:60]!r} is not there once")
+            raise RuntimeError(f"{os.path.basename(module.__file__)} changed: {old[:60]!r} is not there once")
         src = src.replace(old, new)
-    mod = types.ModuleType(mm.__name__ + "_timed")
-    mod.__package__, mod.__file__ = mm.__package__, mm.__file__
-    sys.modules[mod.__name__] = mod  # (dataclasses look their module up)
-    exec(compile(src + _STAMP, mm.__file__, "exec"), mod.__dict__)
+    mod = types.ModuleType(name)
+    mod.__package__, mod.__file__ = module.__package__, module.__file__
+    sys.modules[name] = mod  # (dataclasses look their module up; the entry point its kernel)
+    exec(compile(src + extra, module.__file__, "exec"), mod.__dict__)
     return mod
+
+
+def instrumented() -> types.ModuleType:
+    """mixed_attention_mgpu with the stamps (its kernel's body patched too), as a module of
+    the same package."""
+    name = mm.__name__ + "_timed"
+    _patched(mk, _KERNEL_PATCH, name + "_kernel", _STAMP)
+    return _patched(mm, _WRAPPER_PATCH, name)
 
 
 def summary(stamps: np.ndarray, line, warpgroups: int = 3) -> dict:
@@ -178,7 +198,7 @@ def saved_line(saved: dict):
     against its bounds."""
     if "line" in saved:
         return mm.WorkLine(**saved["line"], bounds=tuple(saved["bounds"]))
-    tiles = -(-(saved["seq"] - 64 - 256) // (mm._ROWS * mm._TPB))
+    tiles = -(-(saved["seq"] - 64 - 256) // (mm.ROWS * mm.TPB))
     bounds = tuple(saved["bounds"])
     line = mm.WorkLine.cut(64, tiles, _SAVED_DENSE_UNITS, bounds[1] - bounds[0], _SAVED_SWITCH)
     if line.bounds != bounds:
@@ -229,8 +249,7 @@ def main() -> None:
     q = jax.random.normal(jax.random.key(2), (8, 1, 32, 128), jnp.bfloat16)
     spec = cache.spec
     call = jax.jit(lambda qq, c: timed.mixed_attention(
-        qq, c.sink_k, c.sink_v, c.hist_codes_k, c.hist_codes_v, c.hist_lo_k, c.hist_scale_k, c.hist_lo_v,
-        c.hist_scale_v, c.recent_k, c.recent_v, c.lengths, sink=spec.sink, window=spec.window,
+        qq, layout.CacheArrays(*(getattr(c, f) for f in layout.CacheArrays._fields)), sink=spec.sink, window=spec.window,
         bits=spec.quant.bits, levels=spec.quant.levels, softmax_scale=spec.head_dim ** -0.5,
         query_rot=params.query_rot_parts, query_rot_stats=params.query_rot_stats, out_dtype=qq.dtype,
         output_rot=None if params.v_folded else params.output_rot_parts))

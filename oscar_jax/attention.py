@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from oscar_jax import reference
 from oscar_jax.cache import LayerParams, OscarCache, RingCache
 from oscar_jax.config import CacheSpec
+from oscar_jax.pallas_kernels import layout
 
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
 # (cache spec, C queries per call, g query heads per KV head) -> bool
@@ -114,10 +115,9 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
         else:
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
                                      precision=hi).reshape(q.shape), {}
+        arrays = layout.CacheArrays(*(getattr(cache, name) for name in layout.CacheArrays._fields))
         o, lse = kernel(
-            q_in, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
-            cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
-            cache.recent_k, cache.recent_v, cache.lengths,
+            q_in, arrays,
             sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,
             softmax_scale=scale, interpret=jax.default_backend() == "cpu", **extra,
         )

@@ -33,6 +33,7 @@ from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.gpu import (decode_finish, decode_start, hopper, mixed_attention,
                                          mixed_attention_mgpu, quantize_pack, quantize_pack_mgpu)
+from oscar_jax.pallas_kernels.gpu.mixed_attention_mgpu import Config as MgpuConfig
 
 HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
 
@@ -353,8 +354,9 @@ def test_triton_kernels_lower_for_cuda(d, g, c):
             sds((b, hkv, rows, d), u8), sds((b, hkv, d, rows), u8),
             *[sds((b, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
-    attend = functools.partial(mixed_attention.mixed_attention, sink=sink, window=window, bits=2,
-                               levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False)
+    attend = lambda q, *cache: mixed_attention.mixed_attention(
+        q, layout.CacheArrays(*cache), sink=sink, window=window, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
+        softmax_scale=d ** -0.5)
     write_args = (sds((b, 4 * rows, hkv, d), bf), sds((hkv, d, d), jnp.float32), sds((), jnp.float32))
     writes = [functools.partial(quantize_pack.quantize_pack, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
                                 group_size=d, span=None, scale_dtype=bf, channel_major=channel_major)
@@ -404,8 +406,8 @@ def test_mgpu_attention_matches_reference(case, pattern):
     spec = _spec(d, d, "uniform", "bfloat16", hist=hist)
     rng = np.random.default_rng([d, g, hist, target, pattern])
     assert mixed_attention_mgpu.supports(spec, 1, g)
-    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target,
-                               warpgroups=3 if d <= 128 else 1)  # 3 per block: large shapes' default
+    config = MgpuConfig(3, 2, target) if d <= 128 else MgpuConfig(1, 3, target)  # 3 per block: large shapes'
+    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, config=config)
     _check_attention(rng, spec, g, 1, _lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True,
                      rotates=True)
 
@@ -430,8 +432,7 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
     query_rot=None path and decode_finish's output_rot=None path)."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1024)
     rng = np.random.default_rng(3)
-    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=8, buffers=3,
-                               warpgroups=1)
+    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, config=MgpuConfig(1, 3, 8))
     _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True,
                      rotates=False)
 
@@ -440,7 +441,10 @@ def test_mgpu_schedule():
     """3 programs per block only where they outnumber one wave of 2 per SM (132 SMs off a
     GPU), and then 2 TMA buffers only; the work line cut into the fewest units per program
     that make at most the target."""
-    schedule = mixed_attention_mgpu.schedule
+    def schedule(pairs, tiles, d, **kw):
+        config, line = mixed_attention_mgpu.schedule(pairs, tiles, d, sms=132, **kw)
+        return config.warpgroups, config.buffers, line
+
     loads = lambda line: np.diff(line.bounds)
     wg, buffers, line = schedule(64, 512, 128, dense_blocks=5)  # B8 H8 128K: 396 of 396 slots
     assert (wg, buffers, line.dense, line.programs, loads(line).max()) == (3, 2, 6, 396, 85)
@@ -451,17 +455,17 @@ def test_mgpu_schedule():
     assert (wg, buffers, line.programs) == (1, 3, 128)
     wg, buffers, line = schedule(8, 128, 256, dense_blocks=5)  # D = 256: one a block, at most 1024
     assert (wg, buffers, line.programs, loads(line).max()) == (1, 3, 520, 6)
-    wg, buffers, line = schedule(64, 512, 128, warpgroups=1, buffers=2, target_programs=128)
+    wg, buffers, line = schedule(64, 512, 128, config=MgpuConfig(1, 2, 128))
     assert (wg, buffers, line.programs, loads(line).max()) == (1, 2, 128, 256)
     # 3 units each would make 16 programs (the cuts moved out of the sinks and rings): 4
-    wg, buffers, line = schedule(8, 1, 128, dense_blocks=2, warpgroups=1, target_programs=12)
+    wg, buffers, line = schedule(8, 1, 128, dense_blocks=2, config=MgpuConfig(1, 3, 12))
     assert (line.programs, loads(line).max()) == (8, 4)
     for bad in (0, 3):
         with pytest.raises(ValueError, match="warpgroups"):
-            schedule(8, 4, 256 if bad else 128, warpgroups=bad)
+            schedule(8, 4, 256 if bad else 128, config=MgpuConfig(bad, 2, 396))
     for bad in (1, 3):  # several warpgroups share the code buffers' union only at depth 2
         with pytest.raises(ValueError, match="buffers"):
-            schedule(64, 512, 128, warpgroups=3, buffers=bad)
+            schedule(64, 512, 128, config=MgpuConfig(3, bad, 396))
     with pytest.raises(ValueError, match="per_program"):
         mixed_attention_mgpu.WorkLine.cut(4, 3, 2, 6)
     with pytest.raises(ValueError, match="switch"):
@@ -682,8 +686,8 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
 
 # CI time: 16-46 s a case on 2 cores; 1 warpgroup a block at D <= 128 and 4 slices a tile lower
 # only on the GPU (`test_mgpu_one_warpgroup_on_gpu`, `test_mgpu_attention_on_gpu`).
-@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (256, 8, True, None), (64, 3, False, None)])
-def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
+@pytest.mark.parametrize("d,g,rotate", [(128, 4, True), (256, 8, True), (64, 3, False)])
+def test_mgpu_lowers_for_cuda(d, g, rotate):
     """B8 Hkv 8 at 32K, slices_per_tile 2 (D = 128), 1 (D = 256) and 2 at D = 64's 64-byte
     swizzle, 3 programs per block at D <= 128 (1 at D = 256): Mosaic GPU's layout inference,
     wgmma and TMA checks for sm_90, and the Triton lowering of decode_start (without a
@@ -697,9 +701,9 @@ def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
             sds((b, hkv, rows, d), u8), sds((b, hkv, d, rows), u8),
             *[sds((b, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
-    fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
-                           levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False,
-                           warpgroups=warpgroups)
+    fn = lambda q, *cache, **kw: mixed_attention_mgpu.mixed_attention(
+        q, layout.CacheArrays(*cache), sink=sink, window=window, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
+        softmax_scale=d ** -0.5, **kw)
     if rotate:
         rot = sds((hkv, 2, d, d), bf) if d == 128 else sds((hkv, d, d), jnp.float32)
         _lower_for_h200(lambda *a: fn(*a[:-2], query_rot=a[-2], output_rot=a[-1]), (*args, rot, rot))

@@ -279,6 +279,11 @@ def test_hbm_operands_are_the_packed_cache_arrays():
                    for v in eqn.invars)
 
 
+def _arrays(cache) -> layout.CacheArrays:
+    """The kernels' cache argument of an `OscarCache` (per layer)."""
+    return layout.CacheArrays(*(getattr(cache, name) for name in layout.CacheArrays._fields))
+
+
 LOWERING = [Config(64, 3, 7, quant=QuantConfig(group_size=32)), Config(128, 4, 1),
             Config(256, 8, 64, quant=QuantConfig(codebook="lloyd_max")),
             Config(128, 1, 7, sink=0, quant=QuantConfig(bits=4, scale_dtype="float32")),
@@ -298,9 +303,7 @@ def test_kernels_lower_to_mosaic(config, chip):
         ma.mixed_attention, sink=spec.sink, window=spec.window, bits=spec.quant.bits,
         levels=spec.quant.levels, softmax_scale=0.1, interpret=False,
         config=ma.AttentionConfig(config.hist_rows or 2048))
-    args = (q, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
-            cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
-            cache.recent_k, cache.recent_v, cache.lengths)
+    args = (q, _arrays(cache))
     x = jnp.zeros((config.batch, 1024, config.hkv, config.d), jnp.bfloat16)
     write = functools.partial(
         bw.bulk_write, bits=spec.quant.bits, group_size=spec.quant.group_size,
@@ -325,17 +328,15 @@ def test_interpret_flag_maps_to_checked_interpret_mode():
 
 def test_bad_inputs_raise_named_errors():
     q, cache, params = _random_cache(Config(64, 1, 1, batch=1), (100,), 0)
-    args = [q, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
-            cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
-            cache.recent_k, cache.recent_v, cache.lengths]
+    arrays = _arrays(cache)
     kw = dict(sink=16, window=64, bits=2, levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=0.125,
               interpret=True)
     with pytest.raises(ValueError, match="lengths"):
-        ma.mixed_attention(*args[:-1], cache.lengths.astype(jnp.float32), **kw)
+        ma.mixed_attention(q, arrays._replace(lengths=cache.lengths.astype(jnp.float32)), **kw)
     with pytest.raises(ValueError, match="hist_codes_v"):
-        ma.mixed_attention(*args[:4], args[4][..., :32], *args[5:], **kw)
+        ma.mixed_attention(q, arrays._replace(hist_codes_v=cache.hist_codes_v[..., :32]), **kw)
     with pytest.raises(ValueError, match="levels"):
-        ma.mixed_attention(*args, **{**kw, "levels": (0.0, 1.0)})
+        ma.mixed_attention(q, arrays, **{**kw, "levels": (0.0, 1.0)})
     with pytest.raises(ValueError, match="hist_rows=100"):
         ma.AttentionConfig(100)
     with pytest.raises(ValueError, match="T=6"):

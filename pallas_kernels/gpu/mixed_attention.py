@@ -328,18 +328,17 @@ def _default_splits(programs: int, hist_rows: int, blocks: BlockSizes) -> int:
     return max(1, min(most, -(-blocks.target_programs // max(programs, 1))))
 
 
-def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
-                    hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
+def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool = False, block_sizes: BlockSizes | None = None):
     """Attention of C new queries over one layer's mixed cache (plain arrays, rotated basis).
 
-    q_rot: f32 [B, C, Hq, D] (already multiplied by R_K); sink_k/v: bf16 [B, Hkv, S0, D];
-    hist_codes_k: uint8 [B, Hkv, T_hist/tpb, D]; hist_codes_v: uint8 [B, Hkv, D, T_hist/tpb]
-    (channel-major); hist_lo/scale_k/v: [B, Hkv, D/G, tpb, T_hist/tpb] (bf16 or f32); recent_k/v: bf16 [B, Hkv, W, D]; lengths: int32 [B] tokens
-    held, the C queries being the newest. Returns (o_rot f32 [B, C, Hq, D] in the R_V
-    basis, lse f32 [B, C, Hq]).
+    q_rot: f32 [B, C, Hq, D] (already multiplied by R_K); cache: `layout.CacheArrays` (metadata
+    bf16 or f32), lengths counting the C queries as the newest tokens. Returns (o_rot f32
+    [B, C, Hq, D] in the R_V basis, lse f32 [B, C, Hq]).
     """
+    (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
+     recent_k, recent_v, lengths) = cache
     b, c, hq, d = q_rot.shape
     hkv = sink_k.shape[1]
     tpb = 8 // bits

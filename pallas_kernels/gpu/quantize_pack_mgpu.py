@@ -18,7 +18,7 @@ The packing never leaves registers: in the WGMMA layout the four tokens of a byt
 rows held by lanes l, l ^ 4, l ^ 8, l ^ 12 (the same register), so each thread ORs its
 shifted codes, four to a 32-bit word, and two butterfly shuffles combine the lanes; one
 more shuffle with a neighbour and a byte permute (prmt) make each lane's word four bytes in
-a row of the layout, stored as one 32-bit word (`_store_codes`). The
+a row of the layout, stored as one 32-bit word (`mgpu_helpers.store_codes`). The
 16 packed rows [16, D] (K, token-major) or their transpose [D, 16] (V, channel-major) and
 the block's lo / scale [4, 16] (token 4 i + s at [s, i]) go to shared memory and out by TMA.
 
@@ -42,15 +42,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm
 
 from . import hopper
+from .mgpu_helpers import store_codes, store_meta
 from .quantize_pack import split_rotation
 
 _TOKENS = 64  # tokens per block: one m64 MMA
@@ -59,105 +56,6 @@ _ROWS = _TOKENS // _TPB  # packed rows per block
 _TOP = 3.0  # the largest uniform 2-bit level
 _ROUND = 12582912.0  # 1.5 * 2^23: u + _ROUND holds round-half-even(u) in its low bits
 _META = 2  # lo, scale
-
-
-def _store_codes(v: jax.Array, mask: jax.Array, ref, *, channel_major: bool, interpret: bool) -> None:
-    """v f32 [64, D] (WGMMA layout): u + _ROUND per element, and mask int32 [64] (row layout):
-    3, or 0 for a token whose codes are all 0 -> the block's packed codes, code = (bits of v)
-    & mask, in ref uint8 [16, D] (token-major) or [D, 16] (channel-major)."""
-    d = v.shape[1]
-    if interpret:
-        code = lax.bitcast_convert_type(v, jnp.int32) & mask[:, None]
-        shift = 2 * (jnp.arange(_TOKENS, dtype=jnp.int32) % _TPB)[:, None]
-        packed = jnp.sum((code << shift).reshape(_ROWS, _TPB, d), axis=1).astype(jnp.uint8)
-        ref[...] = packed.T if channel_major else packed
-        return
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
-    def store(ctx, array, mask, out):
-        del ctx
-        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-        const = lambda x: arith.constant(i32, x)
-        base = mgpu.utils.memref_ptr(out)
-        regs = array.registers  # [1, D/8, 1, 1, 2 row halves, 1, 1, 1, 1] of vector<2xf32>
-        where = dict(zip(np.ndindex(regs.shape), array.layout.thread_idxs(array.shape)))
-        # This lane's rows are 16 w + l // 4 (+ 8): token slot s = (l // 4) % 4 of byte rows
-        # i0 = 4 w + l // 16 and i0 + 2; its columns 8 j + 2 (l % 4) + {0, 1}.
-        row0, col0 = (arith.index_castui(i32, x) for x in where[(0, 0, 0, 0, 0, 0, 0, 0, 0)])
-        slot = arith.andi(row0, const(_TPB - 1))
-        shift = arith.muli(slot, const(2))
-        i0 = arith.shrui(row0, const(2))
-        masks = [llvm.extractelement(mask.registers[0, 0, half, 0, 0], const(0)) for half in range(2)]
-        words = []
-        for j in range(d // 8):
-            word = None
-            for half in range(2):
-                reg = regs[0, j, 0, 0, half, 0, 0, 0, 0]
-                for e in range(2):
-                    bits = arith.bitcast(i32, llvm.extractelement(reg, const(e)))
-                    byte = arith.shli(arith.andi(bits, masks[half]), shift)
-                    byte = arith.shli(byte, const(8 * (2 * half + e)))
-                    word = byte if word is None else arith.ori(word, byte)
-            for distance in (4, 8):  # the other three token slots of these byte rows
-                word = arith.ori(word, mgpu.utils.shfl_bfly(word, distance))
-            words.append(word)
-        # The four lanes of a byte row now hold the same words: lane slot s takes j = 4 k + s.
-        # Its word's bytes are (row i0, column c), (i0, c + 1), (i0 + 2, c), (i0 + 2, c + 1);
-        # one more shuffle with a neighbour and a byte permute (prmt, selectors with the
-        # first operand's bytes 0-3 and the second's 4-7) make it 4 bytes in a row of the
-        # layout, stored as one 32-bit word:
-        #   V (channel-major): lanes l, l ^ 16 hold rows i0 = 4 w + {0, 1}; the first stores
-        #   column c, rows 4 w .. 4 w + 3, the second column c + 1;
-        #   K (token-major): lanes l, l ^ 1 hold columns c = 4 m + {0, 2}; the first stores
-        #   row i0, columns 4 m .. 4 m + 3, the second row i0 + 2.
-        if channel_major:
-            partner_distance, second = 16, arith.andi(i0, const(1))
-            selectors = (0x6240, 0x3715)
-        else:
-            partner_distance, second = 1, arith.andi(arith.shrui(col0, const(1)), const(1))
-            selectors = (0x5410, 0x3276)
-        is_second = arith.cmpi(arith.CmpIPredicate.ne, second, const(0))
-        selector = arith.select(is_second, const(selectors[1]), const(selectors[0]))
-        for k in range(len(words) // 4):
-            word = words[4 * k]
-            for s in range(1, 4):
-                word = arith.select(arith.cmpi(arith.CmpIPredicate.eq, slot, const(s)), words[4 * k + s], word)
-            value = mgpu.utils.prmt(word, mgpu.utils.shfl_bfly(word, partner_distance), selector)
-            col = arith.addi(arith.addi(col0, const(32 * k)), arith.muli(slot, const(8)))
-            if channel_major:  # byte (c, i) at c * 16 + i: column c + second, rows from 4 w
-                at = arith.addi(arith.muli(arith.addi(col, second), const(_ROWS)), arith.subi(i0, second))
-            else:  # byte (i, c) at i * D + c: row i0 + 2 second, columns from 4 m
-                at = arith.addi(arith.muli(arith.addi(i0, arith.muli(second, const(2))), const(d)),
-                                arith.subi(col, arith.muli(second, const(2))))
-            llvm.store(value, mgpu.utils.getelementptr(base, [at], i8))
-
-    store(v, mask, ref)
-
-
-def _store_meta(lo: jax.Array, scale: jax.Array, ref, *, interpret: bool) -> None:
-    """lo, scale bf16 [64] (one per token, WGMMA row layout) -> ref bf16 [2, 4, 16]: token
-    4 i + s at [kind, s, i], the packed metadata layout."""
-    if interpret:
-        for kind, x in enumerate((lo, scale)):
-            ref[kind] = x.reshape(_ROWS, _TPB).T
-        return
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
-    def store(ctx, lo_arr, scale_arr, out):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        bf16 = ir.BF16Type.get()
-        const = lambda x: arith.constant(i32, x)
-        base = mgpu.utils.memref_ptr(out)
-        for kind, arr in enumerate((lo_arr, scale_arr)):
-            for idx, (row,) in zip(np.ndindex(arr.registers.shape), arr.layout.thread_idxs(arr.shape)):
-                row = arith.index_castui(i32, row)
-                at = arith.addi(arith.muli(arith.andi(row, const(_TPB - 1)), const(_ROWS)), arith.shrui(row, const(2)))
-                at = arith.addi(at, const(kind * _TPB * _ROWS))
-                value = llvm.extractelement(arr.registers[idx], const(0))
-                llvm.store(value, mgpu.utils.getelementptr(base, [at], bf16))  # the 4 replicas agree
-
-    store(lo, scale, ref)
 
 
 def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_ref, *, rot_smem, x_smem,
@@ -219,8 +117,8 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
         mask = jnp.where(ok, 3, 0).astype(jnp.int32)
         out = lax.rem(i, 2)  # staging buffer: step i - 2's copies must have read it
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        _store_codes(u, mask, code_smem.at[out], channel_major=channel_major, interpret=interpret)
-        _store_meta(lo, scale, meta_smem.at[out], interpret=interpret)
+        store_codes(u, mask, code_smem.at[out], channel_major=channel_major, interpret=interpret)
+        store_meta(lo, scale, meta_smem.at[out], interpret=interpret)
         plgpu.commit_smem()
         r0 = _ROWS * block
         dst = codes_ref.at[b, h, :, pl.ds(r0, _ROWS)] if channel_major else codes_ref.at[b, h, pl.ds(r0, _ROWS)]
