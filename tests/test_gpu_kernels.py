@@ -301,7 +301,7 @@ def _check_mgpu_write(case, *, interpret: bool):
     got = quantize_pack_mgpu.quantize_pack(
         jnp.asarray(x, jnp.bfloat16), jnp.asarray(rot), 0.9, bits=2, levels=cfg.levels, group_size=d, span=None,
         scale_dtype=jnp.bfloat16, start=start, count=count, channel_major=channel_major, interpret=interpret,
-        warpgroups=wgs, blocks_per_program=per_program, min_programs=1)
+        config=quantize_pack_mgpu.Config(blocks_per_program=per_program, min_programs=1, warpgroups=wgs))
     x_rot = np.einsum("bthd,hde->bhte", x, rot.astype(np.float64)).astype(np.float32)
     x_rot = np.pad(x_rot, ((0, 0), (0, 0), (0, max(0, start + count - t)), (0, 0)))[:, :, start:start + count]
     want = quant.pack(quant.quantize(jnp.asarray(x_rot, jnp.bfloat16), cfg, 0.9), 2, channel_major=channel_major)
@@ -339,7 +339,7 @@ def test_quantize_pack_mgpu_lowers_for_cuda(d):
     for channel_major, wgs in ((False, 3), (True, 1)):
         fn = functools.partial(quantize_pack_mgpu.quantize_pack, clip=0.9, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
                                group_size=d, span=None, scale_dtype=jnp.bfloat16, channel_major=channel_major,
-                               warpgroups=wgs)
+                               config=quantize_pack_mgpu.Config(warpgroups=wgs))
         _lower_for_h200(fn, (sds((2, 1000, 2, d), jnp.bfloat16), sds((2, d, d), jnp.float32)))
 
 

@@ -2,10 +2,12 @@
 contract for one group per token (G = D in {64, 128}), uniform 2-bit codes and bf16
 metadata, the cache's default.
 
-A block of the grid is one (batch row, KV head) and a run of `blocks_per_program` 64-token
-blocks, shared by `warpgroups` warpgroups (block k of the run goes to warpgroup k % wgs), so
+A block of the grid is one (batch row, KV head) and a run of `Config.blocks_per_program`
+64-token blocks, shared by `Config.warpgroups` warpgroups (block k of the run goes to
+warpgroup k % wgs), so
 the head's rotation is moved into shared memory once, by TMA, for all of them. Each
-warpgroup streams its x tiles [64, D] (bf16, one TMA each, `buffers` deep) and per block:
+warpgroup streams its x tiles [64, D] (bf16, one TMA each, `Config.buffers` deep) and per
+block:
 
   acc [64, D] = x @ R_hi + x @ R_lo           two bf16 wgmma into one f32 accumulator
                                               (R = R_hi + R_lo: ~16 bits, as the Triton kernel)
@@ -25,11 +27,10 @@ the block's lo / scale [4, 16] (token 4 i + s at [s, i]) go to shared memory and
 Semantics are `quant.quantize` with the uniform codebook on the bf16 product of the split
 rotation, as the Triton kernel, the NaN rules included: a token whose max, min, lo or scale
 is not finite, or whose scale is 0, gets codes 0 (max and min propagate NaN), applied as a
-per-token mask of the code bits rather than a select per element (H200, B8 32K, run 3 of
-`bench/results/kernels_write_session12_h200.json`: without the select 0.298 against 0.310
-ms). The quotient is a division per element: one multiply by the token's reciprocal took
-0.310 against 0.318 ms in the same run, but bf16 lo and scale put many values exactly on a
-rounding boundary, where it changes the code. Tokens past x's end are zeros (the blocks that
+per-token mask of the code bits (faster than a select per element). The quotient is a
+division per element: a multiply by the token's reciprocal would be faster, but bf16 lo and
+scale put many values exactly on a rounding boundary, where it changes the code. Tokens
+past x's end are zeros (the blocks that
 reach past it mask them); x's token count is padded to a multiple of 8 if it is not one (the
 TMA window's tiling needs it; a copy of x). In interpret mode (CPU) the packing and the
 metadata store are array ops and x is padded with NaN to its last block (the interpreter
@@ -38,6 +39,7 @@ clamps a window that runs past the end, where TMA fills zeros; the NaN shows a f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -132,6 +134,35 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
     plgpu.wait_smem_to_gmem(0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of the Mosaic GPU bulk write (`Config.default` picks them per device).
+
+    blocks_per_program: the most 64-token blocks per grid block (one rotation load for them),
+      fewer where that makes fewer than min_programs grid blocks;
+    min_programs: the SM count (every SM busy); 1 in interpret mode, which runs grid blocks
+      one after another;
+    warpgroups: warpgroups per block; buffers: x tiles in flight per warpgroup.
+    The defaults are the fastest settings measured for a [8, 32768, 8, 128] prompt.
+    """
+
+    blocks_per_program: int = 128
+    min_programs: int = hopper.H200_SMS
+    warpgroups: int = 3
+    buffers: int = 3
+
+    def __post_init__(self):
+        if self.warpgroups < 1 or self.buffers < 2 or self.blocks_per_program < 1 or self.min_programs < 1:
+            raise ValueError(f"Config(warpgroups={self.warpgroups}, buffers={self.buffers}, blocks_per_program="
+                             f"{self.blocks_per_program}, min_programs={self.min_programs}): expected >= 1, >= 2, "
+                             ">= 1 and >= 1")
+
+    @classmethod
+    def default(cls, *, interpret: bool = False) -> "Config":
+        """The defaults with min_programs the device's SM count (1 in interpret mode)."""
+        return cls(min_programs=1 if interpret else hopper.sm_count())
+
+
 def supports(spec) -> bool:
     """Cache configurations (a `CacheSpec`) this kernel writes: one group per token, D in
     {64, 128}, uniform 2-bit codes, bf16 metadata."""
@@ -143,19 +174,12 @@ def supports(spec) -> bool:
 
 def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_size: int,
                   span: float | None, scale_dtype, start: int = 0, count: int | None = None,
-                  channel_major: bool = False, interpret: bool = False,
-                  blocks_per_program: int = 128, min_programs: int | None = None, warpgroups: int = 3,
-                  buffers: int = 3):
+                  channel_major: bool = False, interpret: bool = False, config: Config | None = None):
     """`quantize_pack.quantize_pack`'s contract, restricted to `supports`: x bf16 [B, T,
     Hkv, D], rot f32 [Hkv, D, D], clip f32 [] -> codes uint8 [B, Hkv, count/4, D] (or [B,
     Hkv, D, count/4] when channel_major), lo and scale bf16 [B, Hkv, 1, 4, count/4]; count
-    a multiple of 4 (a last partial block is computed whole and cut).
-    blocks_per_program: the most 64-token blocks per grid block (one rotation load for them),
-    fewer where that makes fewer than min_programs grid blocks (None: the SM count, 1 in
-    interpret mode); warpgroups: warpgroups per block; buffers: x tiles in flight per
-    warpgroup. H200, B8 32K (`bench/results/kernels_write_session12_h200.json`): 128, 3 and
-    3 took 0.300-0.302 ms; with a select per element, 64 blocks 0.318, and then 2 warpgroups
-    (4 buffers) 0.331, 1 warpgroup 0.507."""
+    a multiple of 4 (a last partial block is computed whole and cut). config: `Config`, or
+    None for `Config.default`."""
     b, t, hkv, d = x.shape
     count = t - start if count is None else count
     if (bits != 2 or tuple(levels) != (0.0, 1.0, 2.0, 3.0) or span is not None or group_size != d
@@ -168,14 +192,10 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
                          f"multiple of tokens_per_byte={_TPB}")
     if rot.shape != (hkv, d, d):
         raise ValueError(f"rot.shape={rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
-    if warpgroups < 1 or buffers < 2 or blocks_per_program < 1 or (min_programs or 1) < 1:
-        raise ValueError(f"warpgroups={warpgroups}, buffers={buffers}, blocks_per_program="
-                         f"{blocks_per_program}, min_programs={min_programs}: expected >= 1, >= 2, "
-                         ">= 1 and None or >= 1")
+    config = config or Config.default(interpret=interpret)
+    warpgroups, buffers = config.warpgroups, config.buffers
     n_blocks = -(-count // _TOKENS)  # the last block's rows past count/4 are cut off below
-    if min_programs is None:  # interpret mode runs grid blocks one after another: the fewest
-        min_programs = 1 if interpret else hopper.sm_count()
-    runs = min(n_blocks, max(-(-n_blocks // blocks_per_program), -(-min_programs // (b * hkv))))
+    runs = min(n_blocks, max(-(-n_blocks // config.blocks_per_program), -(-config.min_programs // (b * hkv))))
     per_program = -(-n_blocks // runs)
     runs = -(-n_blocks // per_program)
     x = x.astype(jnp.bfloat16)
