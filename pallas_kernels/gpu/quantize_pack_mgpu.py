@@ -35,6 +35,10 @@ reach past it mask them); x's token count is padded to a multiple of 8 if it is 
 TMA window's tiling needs it; a copy of x). In interpret mode (CPU) the packing and the
 metadata store are array ops and x is padded with NaN to its last block (the interpreter
 clamps a window that runs past the end, where TMA fills zeros; the NaN shows a failed mask).
+Interpreted, each warpgroup also loads its own copy of the rotation: the interpreter runs a
+block's warpgroups as jitted programs on XLA:CPU's execution threads (as many as cores), and a
+warpgroup blocked in a barrier wait holds its thread, so warpgroups that wait for warpgroup
+0's copy could leave it no thread to run on.
 """
 
 from __future__ import annotations
@@ -75,10 +79,15 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
     x_bar = lambda slot: x_bars.at[wg * buffers + slot]
     clip = clip_ref[0]
 
-    @pl.when(wg == 0)
-    def _():
+    def load_rotation():
         plgpu.copy_gmem_to_smem(rot_hi_ref.at[h], rot_smem.at[0], rot_bar)
         plgpu.copy_gmem_to_smem(rot_lo_ref.at[h], rot_smem.at[1], rot_bar)
+
+    if interpret:  # each warpgroup its own copy: no warpgroup waits for another (module docstring)
+        rot_smem, rot_bar = rot_smem.at[wg], rot_bar.at[wg]
+        load_rotation()
+    else:
+        pl.when(wg == 0)(load_rotation)
 
     def issue(i, slot):
         t0 = start + _TOKENS * (first + warpgroups * i)
@@ -215,11 +224,12 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
                           interpret=interpret),
         out_type=[jax.ShapeDtypeStruct(codes_shape, jnp.uint8), meta_shape, meta_shape],
         scratch_types=dict(
-            rot_smem=plgpu.SMEM((2, d, d), jnp.bfloat16, transforms=hopper.bf16_tiles(d)),
+            rot_smem=plgpu.SMEM((warpgroups, 2, d, d) if interpret else (2, d, d), jnp.bfloat16,
+                                transforms=hopper.bf16_tiles(d)),
             x_smem=plgpu.SMEM((warpgroups, buffers, _TOKENS, d), jnp.bfloat16, transforms=hopper.bf16_tiles(d)),
             code_smem=plgpu.SMEM(staging, jnp.uint8),
             meta_smem=plgpu.SMEM((warpgroups, 2, _META, _TPB, _ROWS), jnp.bfloat16),
-            rot_bar=plgpu.Barrier(num_arrivals=2),
+            rot_bar=plgpu.Barrier(num_arrivals=2, num_barriers=warpgroups if interpret else 1),
             x_bars=plgpu.Barrier(num_arrivals=1, num_barriers=warpgroups * buffers)),
         grid=(b * hkv, runs),
         grid_names=("pair", "run"),
