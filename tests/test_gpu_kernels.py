@@ -1,9 +1,19 @@
-"""GPU Pallas kernels (Triton lowering) against the XLA oracles.
+"""GPU Pallas kernels (Triton and Mosaic GPU) against the XLA oracles.
 
-On CPU the kernels run with `interpret=True` (Pallas' interpreter fills kernel
-outputs with NaN before the call, so an unwritten element fails the check);
-the `gpu`-marked tests run the same checks compiled on a real GPU
-(`pytest -m gpu`). Tolerances: attention output relative Frobenius error
+On CPU the kernels run in Pallas interpret mode (`interpret=True`; the interpreter fills
+kernel outputs with NaN before the call, so an unwritten element fails the check). The
+tests marked `gpu` run the same checks compiled on a real GPU, in groups that each run in
+under 5 minutes on one H100 (markers registered in tests/conftest.py, which also keeps the
+compilations in build/jax_cache across runs):
+
+    pytest -p no:cacheprovider -n 0 -m gpu_triton tests/test_gpu_kernels.py        # Triton attention (14)
+    pytest -p no:cacheprovider -n 0 -m gpu_mgpu tests/test_gpu_kernels.py          # Mosaic GPU decode, D = 128 (7)
+    pytest -p no:cacheprovider -n 0 -m gpu_decode tests/test_gpu_kernels.py        # Mosaic GPU decode, D = 64 and 256,
+                                                                                   #   production windows, "auto" (8)
+    pytest -p no:cacheprovider -n 0 -m gpu_decode_parts tests/test_gpu_kernels.py  # decode_start, decode_finish (8)
+    pytest -p no:cacheprovider -n 0 -m gpu_write tests/test_gpu_kernels.py         # bulk writes, write_prompt (19)
+
+(`-m gpu` runs all five groups.) Tolerances: attention output relative Frobenius error
 <= 1e-2 (bf16 MMA operands against the f32 HIGHEST-precision reference),
 lse within 2e-2 + 5e-3·|lse| (q enters the MMA in bf16); the bulk write is
 (Triton, and the Mosaic GPU write for G = D in {64, 128}, uniform 2-bit, bf16 metadata)
@@ -466,7 +476,7 @@ MGPU_CASES = [
 # Boundary patterns 2 (lengths just past S0 + W: histories of 0, 1, 3 tokens) and 3 (full,
 # full - 1, and length 1): both at every D (at D = 256 across two cases) and at
 # slices_per_tile 2 (g = 3), one per case elsewhere (CI time: ~20 s a run on 2 cores).
-# MGPU_CASES[0] and [9] run compiled only (pytest -m gpu); programs of two pairs: [8] (D = 64)
+# MGPU_CASES[0] and [9] run compiled only (-m gpu_mgpu); programs of two pairs: [8] (D = 64)
 # here, [9] (D = 128) compiled.
 MGPU_RUNS = [(MGPU_CASES[1], 3), (MGPU_CASES[2], 2), (MGPU_CASES[3], 3),
              (MGPU_CASES[4], 3), (MGPU_CASES[5], 2), (MGPU_CASES[5], 3), (MGPU_CASES[6], 2),
@@ -788,21 +798,29 @@ def test_mgpu_lowers_for_cuda(d, g, rotate):
 
 
 # ---------------------------------------------------------------------------------------
-# The same checks compiled for a real GPU (Triton lowering rules apply): pytest -m gpu.
+# The same checks compiled for a real GPU (Triton lowering rules apply), in the groups of the
+# module docstring: each test carries the marker `gpu` and its group's.
 
-gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+def on_gpu(group: str):
+    """Mark a test as compiled-GPU only: markers `gpu` and `group` (conftest.GPU_GROUPS),
+    skipped off a GPU."""
+    def mark(fn):
+        for m in (pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+                  getattr(pytest.mark, group), pytest.mark.gpu):
+            fn = m(fn)
+        return fn
+    return mark
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_triton")
 @pytest.mark.parametrize("pattern", range(1))
 @pytest.mark.parametrize("config", ATTN_CONFIGS, ids=lambda c: "d{}-g{}-c{}-G{}-{}-{}".format(*c))
 def test_attention_on_gpu(config, pattern):
     test_attention_matches_reference(config, pattern)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_triton")
 @pytest.mark.parametrize("d,g,c", [(128, 4, 1), (128, 8, 64)])
 def test_attention_on_gpu_real_windows(d, g, c):
     """Production sink/window (64/256), a few thousand history tokens, ragged batch."""
@@ -812,35 +830,32 @@ def test_attention_on_gpu_real_windows(d, g, c):
 
 
 @pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("case", MGPU_CASES, ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c))
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.gpu_mgpu if c[0] == 128 else pytest.mark.gpu_decode)
+                                  for c in MGPU_CASES], ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c))
 def test_mgpu_attention_on_gpu(case):
     # pattern 3 at 4096 tokens (full rows): both pieces of the two-pair programs have steps
     test_mgpu_attention_matches_reference(case, 3 if case[2] == 4096 else 9)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_mgpu")
 def test_mgpu_one_warpgroup_on_gpu():
     test_mgpu_one_warpgroup_three_buffers_match_reference()
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_decode_parts")
 @pytest.mark.parametrize("d,g,rotate", QUERY_LAYOUT_CASES)
 def test_mgpu_query_layout_on_gpu(d, g, rotate):
     test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=False)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_decode_parts")
 @pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
 def test_decode_finish_on_gpu(d, g, cols, splits, rotate):
     test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=False)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_decode")
 @pytest.mark.parametrize("d,g", [(128, 4), (256, 4), (64, 3)])
 def test_mgpu_attention_on_gpu_real_windows(d, g):
     """Production sink/window (64/256: the kernel's bf16 blocks unpadded), a ragged
@@ -851,8 +866,7 @@ def test_mgpu_attention_on_gpu_real_windows(d, g):
                      kernel=mixed_attention_mgpu.mixed_attention, rotates=True)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_decode")
 def test_auto_attend_on_gpu_runs_the_preferred_kernel():
     """attend(implementation="auto") at D = 128 decode: the Mosaic GPU kernel on sm_90 (the
     Triton one elsewhere), through the same entry point the models use, against the reference."""
@@ -885,8 +899,7 @@ def _decision_margin(x, rot, lengths, cache, spec):
     return out
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_write")
 @pytest.mark.parametrize("case", MGPU_WRITE_CASES + [(2, 4096, 8, 128, 0, 4096, True, "permutation", 3, 128, True),
                                   (2, 4096, 8, 128, 256, 3840, False, "dense", 3, 128, False)],
                          ids=lambda c: "-".join(map(str, c)))
@@ -894,8 +907,7 @@ def test_quantize_pack_mgpu_on_gpu(case):
     _check_mgpu_write(case, interpret=False)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_write")
 @pytest.mark.parametrize("config", WRITE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_write_prompt_on_gpu_ties_only(config):
     """With an exact (signed-permutation) rotation the compiled kernel and XLA agree on every
@@ -934,8 +946,7 @@ def test_write_prompt_on_gpu_ties_only(config):
             f"{which}: {differ.sum()} codes differ, {np.sum(margin[differ] >= 1e-4)} away from a boundary")
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_write")
 @pytest.mark.parametrize("config", WRITE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_write_prompt_on_gpu(config):
     # A dense rotation adds bf16 rounding of x·R (1 ulp moves lo/scale and the codes near
