@@ -9,7 +9,7 @@ its log-sum-exp in base 2, column c for query c % cols (column blocks of packed 
 slices; -inf where a partial saw nothing). One program per (batch row, KV head, block of 64
 output channels, 32 without the rotation) merges the partials elementwise in f32 (pass 1: each query's largest lse;
 pass 2: the weighted sum of the [D, 8] partials, whole 32-byte rows, several per step; an
-FMA dot over all 16 query rows took half of the kernel's instructions on the H200) and,
+FMA dot over all 16 query rows would be half of the kernel's instructions) and,
 given the output rotation, rotates its block of the result back (rows of the rotation times
 o_rot; it then merges all D). The returned lse is in the natural base.
 

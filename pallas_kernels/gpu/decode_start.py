@@ -69,7 +69,7 @@ def rotation_input(rot, kv_heads: int, d: int, name: str) -> tuple[jax.Array | N
 def bf16_product(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
     """f32 a @ b from the bf16 parts of each (`bf16_parts`; [M, K] and [K, N]): the products
     of the parts but lo · lo, in f32 (~16 bits, as fine as the q_hi / q_lo split; TF32 is too
-    coarse, and six products for ~f32 took 10.3 against ~5 us a call)."""
+    coarse, and six products for ~f32 would double the kernel's time)."""
     dot = lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)
     out = dot(a[0], b[0])
     if len(b) > 1:

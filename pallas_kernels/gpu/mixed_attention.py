@@ -1,4 +1,5 @@
-"""Fused attention of C new queries over the mixed OSCAR cache (DESIGN §1.3, §3).
+"""Fused attention of C new queries over the mixed OSCAR cache (docs/method.md, "Attention
+over the mixed cache" and "Kernel arithmetic").
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
@@ -79,7 +80,7 @@ class BlockSizes:
 
         Decode (<= 16 rows) reads 128 packed rows (512 tokens) per step with a 3-stage
         pipeline at D = 128, and 64 rows, 2 stages at D = 64 and 256 (the faster settings
-        in same-run A/Bs on the H200, docs/gpu_kernels.md); extend takes 32-row query
+        in same-run A/Bs on Hopper, docs/gpu_kernels.md); extend takes 32-row query
         blocks and 32 packed rows, which keeps Triton's shared memory under the limit.
         """
         if query_rows <= 16:
@@ -244,7 +245,7 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
 
             def meta(ref, gi):
                 """f32 [BM, BR]: the metadata of token tpb * r + (the row's slice), from one
-                contiguous [BR] load per slice (a [BM, BR] gather was slower on the H200)."""
+                contiguous [BR] load per slice (faster than a [BM, BR] gather)."""
                 tile = None
                 for s in range(tpb):
                     v = plgpu.load(ref.at[b, h, jnp.int32(gi), jnp.int32(s), pl.ds(r0, br)],

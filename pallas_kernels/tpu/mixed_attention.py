@@ -7,7 +7,8 @@ Online-softmax state (running max, denominator, output) lives in VMEM scratch:
 step 0 initialises it and folds in the sink, every step folds in one history
 block, the last step folds in the recent ring and writes (o, lse).
 
-History scores use the integer trick of DESIGN §3, per group of G channels:
+History scores use the integer trick (docs/method.md, "Kernel arithmetic"), per group of
+G channels:
   q . x_hat = scale * (q . level[code]) + lo * sum(q)
 so the MXU multiplies the queries by small integer levels and the per-token
 scale/lo are applied to the [query rows, tokens] score tile; values likewise:
