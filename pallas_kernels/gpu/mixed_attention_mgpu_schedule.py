@@ -21,7 +21,7 @@ _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of the
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Settings of the Mosaic GPU decode kernel (`schedule` picks them per call).
+    """Settings of the Mosaic GPU decode kernel (`Config.default` picks them per call).
 
     warpgroups: programs per block, each one warpgroup with its own TMA pipeline, barriers
       and reduction scratch. 3 at D <= 128 where the work makes more programs than one wave
@@ -57,6 +57,16 @@ class Config:
         if self.dense_tile_cost < 0 or self.switch_cost < 0 or min(self.warpgroup_shorter, default=0) < 0:
             raise ValueError(f"Config(dense_tile_cost={self.dense_tile_cost}, switch_cost={self.switch_cost}, "
                              f"warpgroup_shorter={self.warpgroup_shorter}): expected costs >= 0")
+
+    @classmethod
+    def default(cls, pairs: int, tiles: int, head_dim: int, *, dense_blocks: int, sms: int) -> "Config":
+        """The heuristic: the rules above for B x Hkv = pairs of `tiles` history tiles and
+        `dense_blocks` 64-token blocks of sink and ring on a GPU of `sms` SMs."""
+        many = work_line(pairs, tiles, dense_blocks, cls(1, 3, _WARPGROUPS * sms)).programs > 2 * sms
+        warpgroups = _WARPGROUPS if head_dim <= 128 and many else 1
+        if warpgroups > 1:
+            return cls(warpgroups, 2, warpgroups * sms)
+        return cls(1, 3, 2 * sms if head_dim <= 128 else 1024)
 
 
 def slices_per_tile(g: int, head_dim: int) -> int:
@@ -152,17 +162,7 @@ class WorkLine:
         return np.concatenate(self.tables())
 
 
-def default_config(pairs: int, tiles: int, head_dim: int, *, dense_blocks: int, sms: int) -> Config:
-    """The heuristic: `Config`'s rules for B x Hkv = pairs of `tiles` history tiles and
-    `dense_blocks` 64-token blocks of sink and ring on a GPU of `sms` SMs."""
-    many = line(pairs, tiles, dense_blocks, Config(1, 3, _WARPGROUPS * sms)).programs > 2 * sms
-    warpgroups = _WARPGROUPS if head_dim <= 128 and many else 1
-    if warpgroups > 1:
-        return Config(warpgroups, 2, warpgroups * sms)
-    return Config(1, 3, 2 * sms if head_dim <= 128 else 1024)
-
-
-def line(pairs: int, tiles: int, dense_blocks: int, config: Config) -> WorkLine:
+def work_line(pairs: int, tiles: int, dense_blocks: int, config: Config) -> WorkLine:
     """The work line of `config`: programs of the fewest units each (at most a pair's) that
     `WorkLine.cut` makes into at most `config.target_programs`, each warpgroup's shorter by
     `config.warpgroup_shorter` where that applies."""
@@ -183,13 +183,13 @@ def schedule(pairs: int, tiles: int, head_dim: int, *, sms: int, dense_blocks: i
              config: Config | None = None) -> tuple[Config, WorkLine]:
     """(config, work line) for B x Hkv = pairs of `tiles` history tiles and `dense_blocks`
     64-token blocks of sink and ring at head dim D on a GPU of `sms` SMs; config None: the
-    heuristic's (`default_config`)."""
+    heuristic's (`Config.default`)."""
     if config is None:
-        config = default_config(pairs, tiles, head_dim, dense_blocks=dense_blocks, sms=sms)
+        config = Config.default(pairs, tiles, head_dim, dense_blocks=dense_blocks, sms=sms)
     if config.warpgroups > 1 and head_dim > 128:
         raise ValueError(f"warpgroups={config.warpgroups}: expected 1 at D = {head_dim} > 128 "
                          "(shared memory holds one such program per block)")
     if config.warpgroups > 1 and config.buffers != 2:
         raise ValueError(f"buffers={config.buffers} at warpgroups={config.warpgroups}: expected 2 with several "
                          "warpgroups (the sink and ring's buffers then overlay each warpgroup's own code buffers)")
-    return config, line(pairs, tiles, dense_blocks, config)
+    return config, work_line(pairs, tiles, dense_blocks, config)
