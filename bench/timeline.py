@@ -249,7 +249,7 @@ def main() -> None:
     q = jax.random.normal(jax.random.key(2), (8, 1, 32, 128), jnp.bfloat16)
     spec = cache.spec
     call = jax.jit(lambda qq, c: timed.mixed_attention(
-        qq, layout.CacheArrays(*(getattr(c, f) for f in layout.CacheArrays._fields)), sink=spec.sink, window=spec.window,
+        qq, layout.CacheArrays.of(c), sink=spec.sink, window=spec.window,
         bits=spec.quant.bits, levels=spec.quant.levels, softmax_scale=spec.head_dim ** -0.5,
         query_rot=params.query_rot_parts, query_rot_stats=params.query_rot_stats, out_dtype=qq.dtype,
         output_rot=None if params.v_folded else params.output_rot_parts))

@@ -86,9 +86,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
         else:
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
                                      precision=hi).reshape(q.shape), {}
-        arrays = layout.CacheArrays(*(getattr(cache, name) for name in layout.CacheArrays._fields))
         o, lse = kernel(
-            q_in, arrays,
+            q_in, layout.CacheArrays.of(cache),
             sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,
             softmax_scale=scale, interpret=interpret, **extra,
         )

@@ -62,6 +62,11 @@ class CacheArrays(NamedTuple):
     recent_v: jax.Array
     lengths: jax.Array
 
+    @classmethod
+    def of(cls, cache) -> "CacheArrays":
+        """The fields of the same names of `cache` (a per-layer `oscar_jax.OscarCache`)."""
+        return cls(*(getattr(cache, name) for name in cls._fields))
+
 
 def tokens_per_byte(bits: int) -> int:
     if bits not in _VALID_BITS:

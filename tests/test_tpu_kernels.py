@@ -281,11 +281,6 @@ def test_hbm_operands_are_the_packed_cache_arrays():
                    for v in eqn.invars)
 
 
-def _arrays(cache) -> layout.CacheArrays:
-    """The kernels' cache argument of an `OscarCache` (per layer)."""
-    return layout.CacheArrays(*(getattr(cache, name) for name in layout.CacheArrays._fields))
-
-
 LOWERING = [Config(64, 3, 7, quant=QuantConfig(group_size=32)), Config(128, 4, 1),
             Config(256, 8, 64, quant=QuantConfig(codebook="lloyd_max")),
             Config(128, 1, 7, sink=0, quant=QuantConfig(bits=4, scale_dtype="float32")),
@@ -305,7 +300,7 @@ def test_kernels_lower_to_mosaic(config, chip):
         ma.mixed_attention, sink=spec.sink, window=spec.window, bits=spec.quant.bits,
         levels=spec.quant.levels, softmax_scale=0.1, interpret=False,
         config=ma.AttentionConfig(config.hist_rows or 2048))
-    args = (q, _arrays(cache))
+    args = (q, layout.CacheArrays.of(cache))
     x = jnp.zeros((config.batch, 1024, config.hkv, config.d), jnp.bfloat16)
     write = functools.partial(
         bw.bulk_write, bits=spec.quant.bits, group_size=spec.quant.group_size,
@@ -330,7 +325,7 @@ def test_interpret_flag_maps_to_checked_interpret_mode():
 
 def test_bad_inputs_raise_named_errors():
     q, cache, params = _random_cache(Config(64, 1, 1, batch=1), (100,), 0)
-    arrays = _arrays(cache)
+    arrays = layout.CacheArrays.of(cache)
     kw = dict(sink=16, window=64, bits=2, levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=0.125,
               interpret=True)
     with pytest.raises(ValueError, match="lengths"):
