@@ -1,13 +1,17 @@
-"""Public per-layer attention over the mixed cache, with backend dispatch (DESIGN §1.3).
+"""Public per-layer attention over the mixed cache, with backend dispatch (docs/method.md,
+"Attention over the mixed cache"; the kernel contract: docs/ARCHITECTURE.md, "Attention
+contract").
 
-`attend(q, layer_cache, layer_params, implementation=...)`:
+`attend(q, layer_cache, layer_params, implementation=..., interpret=...)` takes the
+implementation names of `oscar_jax.dispatch` (shared with `write_prompt`):
   "xla"    the pure-jnp reference (`oscar_jax.reference`), any backend;
   "pallas" the GPU Pallas kernel (Triton lowering);
   "pallas_mosaic_gpu" the Hopper (sm_90) decode kernel (Pallas Mosaic GPU: TMA + wgmma);
   "pallas_tpu" the TPU Pallas kernel;
-  "auto"   the best implementation for the default backend, the cache and the call
+  "auto"   the fastest implementation for the default backend, the cache and the call
            (C queries, g query heads per KV head).
-An explicit request that cannot run raises; only "auto" chooses.
+An explicit request that cannot run raises; only "auto" chooses. interpret=True runs an
+explicit kernel implementation in Pallas interpret mode (CPU tests).
 """
 
 from __future__ import annotations
@@ -17,64 +21,36 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from oscar_jax import reference
+from oscar_jax import dispatch, reference
 from oscar_jax.cache import LayerParams, OscarCache, RingCache
 from oscar_jax.config import CacheSpec
+from oscar_jax.pallas_kernels import layout
+from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention
+from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention
+from oscar_jax.pallas_kernels.tpu import mixed_attention as _tpu_attention
 
+# fn(q, layer_cache, layer_params, softmax_scale=None, interpret=False) -> (o, lse)
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
-# (cache spec, C queries per call, g query heads per KV head) -> bool
-SupportsFn = Callable[[CacheSpec, int, int], bool]
 
 
-def _always(spec: CacheSpec, queries: int, group: int) -> bool:
-    return True
-
-
-# Kernel implementations register here: name -> (fn(q, cache, params, softmax_scale=...),
-# supports: the calls it handles).
-_IMPLEMENTATIONS: dict[str, tuple[AttendFn, SupportsFn]] = {"xla": (reference.attend, _always)}
-_KNOWN = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu")
-# What "auto" tries per backend, best first.
-_AUTO_ORDER = {"gpu": ("pallas_mosaic_gpu", "pallas", "xla"), "tpu": ("pallas_tpu", "xla"), "cpu": ("xla",)}
-
-
-def register(name: str, fn: AttendFn, supports: SupportsFn = _always) -> None:
-    """Make a kernel implementation available under `name` (one of the known names).
-
-    supports(spec, C, g): the calls it can run; "auto" takes the first of `_AUTO_ORDER` (the
-    order of the measured speeds) that supports the call."""
-    if name not in _KNOWN:
-        raise ValueError(f"implementation name {name!r}: expected one of {_KNOWN}")
-    _IMPLEMENTATIONS[name] = (fn, supports)
+def register(name: str, fn: AttendFn, supports: dispatch.SupportsFn = dispatch._always) -> None:
+    """Make a kernel implementation available to `attend` under `name` (one of
+    `dispatch.NAMES`). supports(spec, C, g): the calls it can run; "auto" takes the first of
+    `dispatch.AUTO_ORDER` (the order of the measured speeds) that runs here and supports the
+    call."""
+    dispatch.register("attend", name, fn, supports)
 
 
 def available() -> tuple[str, ...]:
-    return tuple(_IMPLEMENTATIONS)
+    return dispatch.available("attend")
 
 
 def resolve(implementation: str, spec: CacheSpec, queries: int, group: int,
-            backend: str | None = None) -> str:
+            backend: str | None = None, interpret: bool = False) -> str:
     """The implementation `attend` runs for this request, cache spec, C = `queries` new
-    queries, g = `group` query heads per KV head, and backend."""
-    if implementation == "auto":
-        backend = backend or jax.default_backend()
-        for name in _AUTO_ORDER.get(backend, ("xla",)):
-            if name in _IMPLEMENTATIONS and _IMPLEMENTATIONS[name][1](spec, queries, group):
-                return name
-    if implementation not in _KNOWN:
-        raise ValueError(f"implementation={implementation!r}: expected 'auto' or one of {_KNOWN}")
-    if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is not available in this build "
-            f"(available: {available()}); use implementation='auto' to let oscar-jax choose"
-        )
-    if not _IMPLEMENTATIONS[implementation][1](spec, queries, group):
-        raise ValueError(
-            f"implementation={implementation!r} does not support this call (cache {spec.quant}, "
-            f"D={spec.head_dim}, C={queries} queries, g={group} query heads per KV head) on this "
-            f"device; use implementation='xla' or 'auto'"
-        )
-    return implementation
+    queries, g = `group` query heads per KV head, backend and `interpret`."""
+    return dispatch.resolve("attend", implementation, spec, queries=queries, group=group, backend=backend,
+                            interpret=interpret)
 
 
 def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
@@ -82,14 +58,10 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
     """Adapt a plain-array kernel to `attend`'s signature.
 
     The kernel sees rotated queries and returns outputs in the R_V basis:
-      kernel(q_rot f32 [B, C, Hq, D], sink_k, sink_v bf16 [B, Hkv, S0, D],
-             hist_codes_k u8 [B, Hkv, T_hist/tpb, D], hist_codes_v u8 [B, Hkv, D, T_hist/tpb]
-             (channel-major, `layout.CHANNEL_MAJOR`),
-             hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v [B, Hkv, D/G, tpb, T_hist/tpb],
-             recent_k, recent_v bf16 [B, Hkv, W, D], lengths int32 [B], *,
+      kernel(q_rot f32 [B, C, Hq, D], cache: `layout.CacheArrays`, *,
              sink, window, bits, levels, softmax_scale, interpret)
         -> (o_rot f32 [B, C, Hq, D], lse f32 [B, C, Hq])
-    `interpret` is True when running on CPU (tests); q rotation (by
+    `interpret` is the adapted function's own (Pallas interpret mode); q rotation (by
     `params.query_rot`) and the back-rotation (by `params.output_rot`) happen
     here, in XLA. rotates: the kernel does both itself. It takes the model-basis q as it is,
     the rotations as `query_rot=` and `output_rot=`: their bf16 parts [Hkv, 2, D, D]
@@ -99,7 +71,7 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
     basis when v_folded) in that dtype (written by the kernel: no XLA convert after it).
     """
 
-    def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None):
+    def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None, interpret: bool = False):
         spec = cache.spec
         hi = jax.lax.Precision.HIGHEST
         b, c, hq, d = q.shape
@@ -115,11 +87,9 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
                                      precision=hi).reshape(q.shape), {}
         o, lse = kernel(
-            q_in, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
-            cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
-            cache.recent_k, cache.recent_v, cache.lengths,
+            q_in, layout.CacheArrays.of(cache),
             sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,
-            softmax_scale=scale, interpret=jax.default_backend() == "cpu", **extra,
+            softmax_scale=scale, interpret=interpret, **extra,
         )
         if not rotates and not params.v_folded:
             o = jnp.einsum("bckge,kde->bckgd", o.reshape(heads), params.output_rot,
@@ -138,12 +108,13 @@ def _check_q(q: jax.Array, kv_heads: int, head_dim: int, batch: int) -> None:
 
 
 def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
-           implementation: str = "auto", softmax_scale: float | None = None
+           implementation: str = "auto", softmax_scale: float | None = None, interpret: bool = False
            ) -> tuple[jax.Array, jax.Array]:
     """Attention of C new queries over one layer's mixed cache (tokens already appended).
 
     q: [B, C, Hq, D] post-RoPE, unrotated. Returns o [B, C, Hq, D] (model basis
-    unless layer_params.v_folded) and lse float32 [B, C, Hq].
+    unless layer_params.v_folded) and lse float32 [B, C, Hq]. interpret: run an explicit
+    kernel implementation in Pallas interpret mode (any backend; for tests).
     """
     spec = layer_cache.spec
     if layer_cache.is_stacked:
@@ -151,8 +122,9 @@ def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
     _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
     if q.shape[1] > spec.window:
         raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call")
-    fn = _IMPLEMENTATIONS[resolve(implementation, spec, q.shape[1], q.shape[2] // spec.kv_heads)][0]
-    return fn(q, layer_cache, layer_params, softmax_scale=softmax_scale)
+    name = resolve(implementation, spec, q.shape[1], q.shape[2] // spec.kv_heads, interpret=interpret)
+    return dispatch.get("attend", name)(q, layer_cache, layer_params, softmax_scale=softmax_scale,
+                                        interpret=interpret)
 
 
 def attend_window(q: jax.Array, ring: RingCache, *, softmax_scale: float | None = None
@@ -163,23 +135,11 @@ def attend_window(q: jax.Array, ring: RingCache, *, softmax_scale: float | None 
     return reference.attend_window(q, ring, softmax_scale)
 
 
-from oscar_jax.pallas_kernels.tpu import mixed_attention as _tpu_attention  # noqa: E402
-
+register("xla", lambda q, cache, params, softmax_scale=None, interpret=False:
+         reference.attend(q, cache, params, softmax_scale))
 register("pallas_tpu", kernel_attend(_tpu_attention.mixed_attention))  # every CacheSpec
-
-from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention  # noqa: E402
-
 register("pallas", kernel_attend(_gpu_attention.mixed_attention),
          supports=lambda spec, queries, group: _gpu_attention.supports(spec))
-
-from oscar_jax.pallas_kernels.gpu import hopper as _hopper  # noqa: E402
-from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention  # noqa: E402
-
-# GPU time on the H200: it beats the Triton kernel at every D it takes. D = 128 (B8 H32/8,
-# bench/results/kernels_h200.json, session 10): 0.220 vs 0.785 ms at 128K, 0.072 vs 0.256 ms at
-# 32K; D = 64 (SmolLM2 B8 8K): 0.021 vs 0.031 ms; D = 256 (Gemma-3 B8 32K; it lost through
-# session 9, 0.096 vs 0.088): 0.082 vs 0.090 in session 10 and 0.082 vs 0.088 in session 11
-# (bench/results/kernels_session10_h200.json run 3, kernels_session11_h200.json).
+# Faster than the Triton kernel at every shape it takes ("auto" puts it first on GPU).
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates=True),
-         supports=lambda spec, queries, group: (_mgpu_attention.supports(spec, queries, group)
-                                                and _hopper.device_supported()))
+         supports=_mgpu_attention.supports)

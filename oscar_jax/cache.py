@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax import quant
-from oscar_jax.config import CacheSpec, RingSpec
+from oscar_jax import dispatch, quant
+from oscar_jax.config import LLOYD_MAX_SPAN, CacheSpec, RingSpec
 from oscar_jax.config import bits_per_element as _bpe_formula
 from oscar_jax.pallas_kernels import layout
+from oscar_jax.pallas_kernels.gpu import quantize_pack, quantize_pack_mgpu
+from oscar_jax.pallas_kernels.tpu import bulk_write
 
 STORE_DTYPE = jnp.bfloat16
 
@@ -398,76 +400,62 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         cache, **updates, lengths=jnp.where(ok, n + c, n), overflow=cache.overflow | ~ok)
 
 
-_WRITE_IMPLEMENTATIONS = ("xla", "pallas", "pallas_tpu")
+def _gpu_bulk_write(kernel):
+    """`write_prompt`'s write of a GPU bulk kernel module (`quantize_pack` or
+    `quantize_pack_mgpu`): fn(x [B, T, H, D], rot, clip, spec, start, count, channel_major,
+    interpret) -> the packed Quantized of tokens [start, start + count) (zeros past T;
+    channel-major codes if asked)."""
 
-
-def _write_implementation(implementation: str, spec: CacheSpec) -> str:
-    """The prompt-write path for `implementation` ("auto" or one of _WRITE_IMPLEMENTATIONS)."""
-    from oscar_jax.pallas_kernels.gpu import quantize_pack
-
-    if implementation == "auto":
-        # TPU: the Mosaic bulk kernel (interpret-verified, like the TPU attention).
-        # GPU: the bulk kernels (Mosaic GPU on Hopper for G = D in {64, 128}, uniform 2-bit
-        # codes and bf16 metadata, else Triton); on the H200 they pass the compiled write
-        # tests, and Triton's wrote a [8, 32768, 8, 128] layer (K and V) in 1.05 ms of GPU
-        # time against XLA's 6.91 ms (bench/results/kernels_h200.json).
-        backend = jax.default_backend()
-        if backend == "tpu":
-            return "pallas_tpu"
-        return "pallas" if backend == "gpu" and quantize_pack.supports(spec) else "xla"
-    if implementation not in _WRITE_IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}: expected 'auto' or one of "
-                         f"{_WRITE_IMPLEMENTATIONS}")
-    if implementation == "pallas" and not quantize_pack.supports(spec):
-        raise ValueError(f"implementation='pallas' does not support this cache (group size "
-                         f"{spec.group_size} < 16); use 'xla' or 'auto'")
-    return implementation
-
-
-def _kernel_quantize_pack(impl: str, x, rot, clip, spec: CacheSpec, start: int,
-                          count: int, channel_major: bool) -> quant.Quantized:
-    """A bulk kernel ("pallas" GPU, "pallas_tpu" TPU) on tokens [start, start + count)
-    of x [B, T, H, D] (zeros past T) -> packed Quantized (channel-major codes if asked)."""
-    from oscar_jax.config import LLOYD_MAX_SPAN
-
-    cfg = spec.quant
-    span = LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None
-    interpret = jax.default_backend() == "cpu"
-    if impl == "pallas":
-        from oscar_jax.pallas_kernels.gpu import hopper, quantize_pack, quantize_pack_mgpu
-
-        # The Mosaic GPU kernel where it applies (Hopper, or interpret mode), else Triton's.
-        mgpu = quantize_pack_mgpu.supports(spec) and hopper.device_supported()
-        codes, lo, scale = (quantize_pack_mgpu if mgpu else quantize_pack).quantize_pack(
+    def write(x, rot, clip, spec: CacheSpec, start: int, count: int, channel_major: bool, interpret: bool):
+        cfg = spec.quant
+        span = LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None
+        codes, lo, scale = kernel.quantize_pack(
             x.astype(STORE_DTYPE), rot, clip, bits=cfg.bits, levels=cfg.levels,
             group_size=spec.group_size, span=span, scale_dtype=cfg.jnp_scale_dtype,
             start=start, count=count, channel_major=channel_major, interpret=interpret)
-    else:
-        from oscar_jax.pallas_kernels.tpu import bulk_write
+        return quant.Quantized(codes=codes, lo=lo, scale=scale)
 
-        xs = x[:, start:start + count]
-        xs = jnp.pad(xs, ((0, 0), (0, count - xs.shape[1]), (0, 0), (0, 0)))
-        codes, lo, scale = bulk_write.bulk_write(
-            xs, rot, clip, bits=cfg.bits, group_size=cfg.group_size, levels=cfg.levels,
-            codebook=cfg.codebook, lloyd_max_span=span, scale_dtype=cfg.scale_dtype,
-            channel_major=channel_major, interpret=interpret)
+    return write
+
+
+def _tpu_bulk_write(x, rot, clip, spec: CacheSpec, start: int, count: int, channel_major: bool,
+                    interpret: bool) -> quant.Quantized:
+    """`_gpu_bulk_write`'s contract with the TPU bulk kernel."""
+    cfg = spec.quant
+    xs = x[:, start:start + count]
+    xs = jnp.pad(xs, ((0, 0), (0, count - xs.shape[1]), (0, 0), (0, 0)))
+    codes, lo, scale = bulk_write.bulk_write(
+        xs, rot, clip, bits=cfg.bits, group_size=cfg.group_size, levels=cfg.levels,
+        codebook=cfg.codebook, lloyd_max_span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
+        scale_dtype=cfg.scale_dtype, channel_major=channel_major, interpret=interpret)
     return quant.Quantized(codes=codes, lo=lo, scale=scale)
 
 
+# write_prompt's implementations ("xla": its own XLA quantiser); "auto" takes the Mosaic GPU
+# bulk write on Hopper where it applies, else the Triton one, on GPU (both much faster than XLA).
+dispatch.register("write", "xla", None)
+dispatch.register("write", "pallas", _gpu_bulk_write(quantize_pack),
+                  lambda spec, queries, group: quantize_pack.supports(spec))
+dispatch.register("write", "pallas_mosaic_gpu", _gpu_bulk_write(quantize_pack_mgpu),
+                  lambda spec, queries, group: quantize_pack_mgpu.supports(spec))
+dispatch.register("write", "pallas_tpu", _tpu_bulk_write)
+
+
 def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: jax.Array,
-                 params: LayerParams, *, implementation: str = "auto") -> OscarCache:
+                 params: LayerParams, *, implementation: str = "auto", interpret: bool = False) -> OscarCache:
     """Bulk write of whole prompts into one layer's cache (replaces its contents).
 
     k, v: [B, T, Hkv, D] post-RoPE, unrotated; prompt_lengths: int32 [B] <= T.
     Row b ends up holding positions [0, prompt_lengths[b]): the sink, the quantised
     history [S0, n - W) and the recent ring. Rows longer than max_len raise outside
     jit; inside jit they are emptied and flagged in `overflow`.
-    implementation: "xla", "pallas" / "pallas_tpu" (the GPU / TPU bulk
-    rotate-quantise-pack kernel; only the sink and ring tokens are rotated in XLA)
-    or "auto" (see `_write_implementation`).
+    implementation: `oscar_jax.dispatch`'s names: "xla", "pallas" / "pallas_mosaic_gpu" /
+    "pallas_tpu" (the Triton / Mosaic GPU / TPU bulk rotate-quantise-pack kernel; only the
+    sink and ring tokens are rotated in XLA) or "auto"; interpret: run an explicit kernel
+    implementation in Pallas interpret mode (any backend; for tests).
     """
     spec = cache.spec
-    impl = _write_implementation(implementation, spec)
+    impl = dispatch.resolve("write", implementation, spec, interpret=interpret)
     if cache.is_stacked:
         raise ValueError("write_prompt takes a per-layer cache: use cache.layer(i) or lax.scan")
     b, h, d = spec.batch, spec.kv_heads, spec.head_dim
@@ -507,7 +495,7 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
         channel_major = layout.CHANNEL_MAJOR[which]
         if n_hist:
             if impl != "xla":
-                q = _kernel_quantize_pack(impl, x, rot, clip, spec, s0, n_hist, channel_major)
+                q = dispatch.get("write", impl)(x, rot, clip, spec, s0, n_hist, channel_major, interpret)
             else:
                 q = quant.pack(quant.quantize(fit(x_rot, s0, n_hist).astype(STORE_DTYPE),
                                               spec.quant, clip), bits, channel_major=channel_major)

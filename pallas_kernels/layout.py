@@ -1,4 +1,5 @@
-"""The packed layout of the quantised KV history (DESIGN §3), in plain jnp.
+"""The packed layout of the quantised KV history (docs/ARCHITECTURE.md, "The cache format"),
+in plain jnp, and the cache arrays every attention kernel takes (`CacheArrays`).
 
 Codes are packed along TOKENS: with `tpb = 8 // bits` tokens per byte, a byte
 holds one channel c of tokens tpb*i .. tpb*i + tpb - 1, token tpb*i + s in
@@ -24,6 +25,9 @@ query split's rounding) and `ring_position` (which position a ring slot holds).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -31,6 +35,37 @@ _VALID_BITS = (2, 4, 8)
 
 # Whether the packed codes of the K / V history are channel-major ([..., D, T/tpb]).
 CHANNEL_MAJOR = {"k": False, "v": True}
+
+
+class CacheArrays(NamedTuple):
+    """One layer's cache arrays, the attention kernels' cache argument (the fields of
+    `oscar_jax.OscarCache` of the same names; tpb = 8 // bits, G the group size):
+
+    sink_k, sink_v: bf16 [B, Hkv, S0, D] (positions [0, S0), rotated);
+    hist_codes_k: uint8 [B, Hkv, T_hist/tpb, D] (`pack_codes`);
+    hist_codes_v: uint8 [B, Hkv, D, T_hist/tpb] (channel-major, `CHANNEL_MAJOR`);
+    hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v: bf16 or f32 [B, Hkv, D/G, tpb,
+      T_hist/tpb] (`pack_meta`);
+    recent_k, recent_v: bf16 [B, Hkv, W, D] (the ring: position p in slot (p - S0) % W);
+    lengths: int32 [B] (tokens held per sequence).
+    """
+
+    sink_k: jax.Array
+    sink_v: jax.Array
+    hist_codes_k: jax.Array
+    hist_codes_v: jax.Array
+    hist_lo_k: jax.Array
+    hist_scale_k: jax.Array
+    hist_lo_v: jax.Array
+    hist_scale_v: jax.Array
+    recent_k: jax.Array
+    recent_v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def of(cls, cache) -> "CacheArrays":
+        """The fields of the same names of `cache` (a per-layer `oscar_jax.OscarCache`)."""
+        return cls(*(getattr(cache, name) for name in cls._fields))
 
 
 def tokens_per_byte(bits: int) -> int:

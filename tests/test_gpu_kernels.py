@@ -1,9 +1,19 @@
-"""GPU Pallas kernels (Triton lowering) against the XLA oracles.
+"""GPU Pallas kernels (Triton and Mosaic GPU) against the XLA oracles.
 
-On CPU the kernels run with `interpret=True` (Pallas' interpreter fills kernel
-outputs with NaN before the call, so an unwritten element fails the check);
-the `gpu`-marked tests run the same checks compiled on a real GPU
-(`pytest -m gpu`). Tolerances: attention output relative Frobenius error
+On CPU the kernels run in Pallas interpret mode (`interpret=True`; the interpreter fills
+kernel outputs with NaN before the call, so an unwritten element fails the check). The
+tests marked `gpu` run the same checks compiled on a real GPU, in groups that each run in
+under 5 minutes on one H100 (markers registered in tests/conftest.py, which also keeps the
+compilations in build/jax_cache across runs):
+
+    pytest -p no:cacheprovider -n 0 -m gpu_triton tests/test_gpu_kernels.py        # Triton attention (14)
+    pytest -p no:cacheprovider -n 0 -m gpu_mgpu tests/test_gpu_kernels.py          # Mosaic GPU decode, D = 128 (7)
+    pytest -p no:cacheprovider -n 0 -m gpu_decode tests/test_gpu_kernels.py        # Mosaic GPU decode, D = 64 and 256,
+                                                                                   #   production windows, "auto" (8)
+    pytest -p no:cacheprovider -n 0 -m gpu_decode_parts tests/test_gpu_kernels.py  # decode_start, decode_finish (8)
+    pytest -p no:cacheprovider -n 0 -m gpu_write tests/test_gpu_kernels.py         # bulk writes, write_prompt (19)
+
+(`-m gpu` runs all five groups.) Tolerances: attention output relative Frobenius error
 <= 1e-2 (bf16 MMA operands against the f32 HIGHEST-precision reference),
 lse within 2e-2 + 5e-3·|lse| (q enters the MMA in bf16); the bulk write is
 (Triton, and the Mosaic GPU write for G = D in {64, 128}, uniform 2-bit, bf16 metadata)
@@ -27,12 +37,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cache_oracle import random_kv, signed_permutation
-from oscar_jax import attention, quant, reference
+from oscar_jax import attention, dispatch, quant, reference
 from oscar_jax import cache as cache_lib
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.gpu import (decode_finish, decode_start, hopper, mixed_attention,
                                          mixed_attention_mgpu, quantize_pack, quantize_pack_mgpu)
+from oscar_jax.pallas_kernels.gpu.mixed_attention_mgpu import Config as MgpuConfig
 
 HKV, BATCH, SINK, WINDOW, HIST = 2, 4, 8, 64, 120
 
@@ -84,7 +95,15 @@ def _build(cache, params, k, v, lengths, *, c):
 
 
 _reference = jax.jit(reference.attend)
-_attend = jax.jit(attention.attend, static_argnames=("implementation",))
+_attend = jax.jit(attention.attend, static_argnames=("implementation", "interpret"))
+# Off a GPU the kernels run in Pallas interpret mode (an explicit opt-in of attend / write_prompt).
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def _write_kernel(spec: CacheSpec) -> str:
+    """The bulk write that "auto" runs for `spec` on a Hopper GPU: Mosaic GPU where it applies,
+    else Triton."""
+    return "pallas_mosaic_gpu" if quantize_pack_mgpu.supports(spec) else "pallas"
 
 
 def _random_case(rng, spec: CacheSpec, g: int, c: int, lengths: np.ndarray, k_shift: bool = False):
@@ -108,9 +127,10 @@ def _check_attention(rng, spec, g, c, lengths, kernel=None, k_shift=False, imple
     runs `attend(implementation=...)`."""
     q, cache, params = _random_case(rng, spec, g, c, lengths, k_shift=k_shift)
     if kernel is None:
-        o, lse = _attend(q, cache, params, implementation=implementation)
+        o, lse = _attend(q, cache, params, implementation=implementation, interpret=INTERPRET)
     else:
-        o, lse = jax.jit(attention.kernel_attend(kernel, rotates=rotates))(q, cache, params)
+        o, lse = jax.jit(functools.partial(attention.kernel_attend(kernel, rotates=rotates),
+                                           interpret=INTERPRET))(q, cache, params)
     o_ref, lse_ref = _reference(q, cache, params)
     assert o.shape == o_ref.shape and lse.shape == lse_ref.shape
     assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
@@ -139,7 +159,7 @@ def test_attention_splits_and_query_blocks():
     q, cache, params = _random_case(rng, spec, g, c, np.array([20, 150, 400, 584], np.int32), k_shift=True)
     blocks = mixed_attention.BlockSizes(block_rows=16, block_dense=16, block_q=16, num_splits=3)
     fn = attention.kernel_attend(functools.partial(mixed_attention.mixed_attention, block_sizes=blocks))
-    o, lse = jax.jit(fn)(q, cache, params)
+    o, lse = jax.jit(functools.partial(fn, interpret=INTERPRET))(q, cache, params)
     o_ref, lse_ref = _reference(q, cache, params)
     assert float(jnp.linalg.norm(o - o_ref) / jnp.linalg.norm(o_ref)) <= 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=2e-2, rtol=5e-3)
@@ -160,6 +180,71 @@ def test_dispatch_refuses_unsupported_specs():
                                jnp.array([4]), cache_lib.LayerParams.create(
                                    np.eye(64), np.eye(64), 1.0, 1.0, num_layers=1, kv_heads=1).layer(0),
                                implementation="pallas")
+
+
+def test_kernels_run_off_their_backend_only_when_interpreted():
+    """attend and write_prompt share one registry: on a backend that is not a kernel's own, an
+    explicit kernel implementation raises unless interpret=True (Pallas interpret mode); "auto"
+    there is "xla"; through the public entry points the refusal comes before anything runs."""
+    spec = _spec(128, 128, "uniform", "bfloat16")
+    for name in ("pallas", "pallas_mosaic_gpu", "pallas_tpu"):
+        other = "gpu" if name == "pallas_tpu" else "tpu"
+        for backend in ("cpu", other):
+            with pytest.raises(ValueError, match="interpret=True"):
+                attention.resolve(name, spec, 1, 4, backend=backend)
+            with pytest.raises(ValueError, match="interpret=True"):
+                dispatch.resolve("write", name, spec, backend=backend)
+            assert attention.resolve(name, spec, 1, 4, backend=backend, interpret=True) == name
+            assert dispatch.resolve("write", name, spec, backend=backend, interpret=True) == name
+    assert attention.resolve("auto", spec, 1, 4, backend="cpu", interpret=True) == "xla"
+    assert dispatch.resolve("write", "auto", spec, backend="cpu") == "xla"
+    assert dispatch.resolve("write", "auto", spec, backend="gpu") == "pallas_mosaic_gpu"
+    assert dispatch.resolve("write", "auto", _spec(128, 32, "uniform", "bfloat16"), backend="gpu") == "pallas"
+    for op in ("attend", "write"):
+        with pytest.raises(ValueError, match="expected 'auto' or one of"):
+            dispatch.resolve(op, "triton", spec)
+    if jax.default_backend() == "cpu":
+        rng = np.random.default_rng(2)
+        q, cache, params = _random_case(rng, spec, 4, 1, np.array([10, 20, 30, 40], np.int32))
+        with pytest.raises(ValueError, match="interpret=True"):
+            attention.attend(q, cache, params, implementation="pallas")
+        x = jnp.zeros((spec.batch, 8, spec.kv_heads, spec.head_dim), jnp.bfloat16)
+        with pytest.raises(ValueError, match="interpret=True"):
+            cache_lib.write_prompt(cache, x, x, jnp.full((spec.batch,), 8), params, implementation="pallas_mosaic_gpu")
+
+
+_ONE_THREAD_WRITE = """
+import jax, jax.numpy as jnp, numpy as np
+from oscar_jax import cache as cache_lib
+from oscar_jax.config import CacheSpec, QuantConfig
+spec = CacheSpec(1, 1, 2, 128, 512, 16, 32, QuantConfig(2))
+rng = np.random.default_rng(0)
+perm = np.stack([np.eye(128)[rng.permutation(128)] * rng.choice([-1.0, 1.0], 128) for _ in range(2)])
+params = cache_lib.LayerParams.create(perm, perm, 0.9, 0.9, num_layers=1, kv_heads=2).layer(0)
+k, v = (jnp.asarray(rng.standard_normal((1, 200, 2, 128)), jnp.bfloat16) for _ in "kv")
+empty = cache_lib.OscarCache.init(spec).layer(0)
+got = cache_lib.write_prompt(empty, k, v, jnp.array([200]), params, implementation="pallas_mosaic_gpu",
+                             interpret=True)
+want = cache_lib.write_prompt(empty, k, v, jnp.array([200]), params, implementation="xla")
+for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+print("equal")
+"""
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="Mosaic GPU interpret mode on XLA:CPU")
+def test_mgpu_write_interpreted_on_one_thread():
+    """The Mosaic GPU bulk write interpreted with XLA:CPU given one execution thread
+    (PJRT_NPROC=1), max_len 512, sink 16, window 32, T = 200: 3 blocks, one per warpgroup.
+    Warpgroups that waited for another's copy of the rotation held the only thread and the
+    write hung (with two cores, most shapes); it finishes and equals the XLA write exactly
+    (signed-permutation rotation)."""
+    import os
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", _ONE_THREAD_WRITE], env={**os.environ, "PJRT_NPROC": "1"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "equal" in result.stdout, result.stderr[-3000:]
 
 
 # Bulk write: (D, G, codebook, scale dtype, bits).
@@ -192,8 +277,8 @@ def test_write_prompt_pallas_matches_xla(config, rotation, seed, exact=True):
     v = jnp.asarray(random_kv(rng, 3, t, h, d), jnp.bfloat16)
     lengths = jnp.asarray([t, int(rng.integers(SINK + WINDOW, t)), int(rng.integers(1, SINK + WINDOW))])
     empty = cache_lib.OscarCache.init(spec).layer(0)
-    write = jax.jit(cache_lib.write_prompt, static_argnames=("implementation",))
-    got = write(empty, k, v, lengths, params, implementation="pallas")
+    write = jax.jit(cache_lib.write_prompt, static_argnames=("implementation", "interpret"))
+    got = write(empty, k, v, lengths, params, implementation=_write_kernel(spec), interpret=INTERPRET)
     want = write(empty, k, v, lengths, params, implementation="xla")
     exact = exact and rotation == "permutation"
     for name in ("sink_k", "sink_v", "recent_k", "recent_v", "lengths"):
@@ -300,7 +385,7 @@ def _check_mgpu_write(case, *, interpret: bool):
     got = quantize_pack_mgpu.quantize_pack(
         jnp.asarray(x, jnp.bfloat16), jnp.asarray(rot), 0.9, bits=2, levels=cfg.levels, group_size=d, span=None,
         scale_dtype=jnp.bfloat16, start=start, count=count, channel_major=channel_major, interpret=interpret,
-        warpgroups=wgs, blocks_per_program=per_program, min_programs=1)
+        config=quantize_pack_mgpu.Config(blocks_per_program=per_program, min_programs=1, warpgroups=wgs))
     x_rot = np.einsum("bthd,hde->bhte", x, rot.astype(np.float64)).astype(np.float32)
     x_rot = np.pad(x_rot, ((0, 0), (0, 0), (0, max(0, start + count - t)), (0, 0)))[:, :, start:start + count]
     want = quant.pack(quant.quantize(jnp.asarray(x_rot, jnp.bfloat16), cfg, 0.9), 2, channel_major=channel_major)
@@ -338,7 +423,7 @@ def test_quantize_pack_mgpu_lowers_for_cuda(d):
     for channel_major, wgs in ((False, 3), (True, 1)):
         fn = functools.partial(quantize_pack_mgpu.quantize_pack, clip=0.9, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
                                group_size=d, span=None, scale_dtype=jnp.bfloat16, channel_major=channel_major,
-                               warpgroups=wgs)
+                               config=quantize_pack_mgpu.Config(warpgroups=wgs))
         _lower_for_h200(fn, (sds((2, 1000, 2, d), jnp.bfloat16), sds((2, d, d), jnp.float32)))
 
 
@@ -353,8 +438,9 @@ def test_triton_kernels_lower_for_cuda(d, g, c):
             sds((b, hkv, rows, d), u8), sds((b, hkv, d, rows), u8),
             *[sds((b, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
-    attend = functools.partial(mixed_attention.mixed_attention, sink=sink, window=window, bits=2,
-                               levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False)
+    attend = lambda q, *cache: mixed_attention.mixed_attention(
+        q, layout.CacheArrays(*cache), sink=sink, window=window, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
+        softmax_scale=d ** -0.5)
     write_args = (sds((b, 4 * rows, hkv, d), bf), sds((hkv, d, d), jnp.float32), sds((), jnp.float32))
     writes = [functools.partial(quantize_pack.quantize_pack, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
                                 group_size=d, span=None, scale_dtype=bf, channel_major=channel_major)
@@ -390,7 +476,7 @@ MGPU_CASES = [
 # Boundary patterns 2 (lengths just past S0 + W: histories of 0, 1, 3 tokens) and 3 (full,
 # full - 1, and length 1): both at every D (at D = 256 across two cases) and at
 # slices_per_tile 2 (g = 3), one per case elsewhere (CI time: ~20 s a run on 2 cores).
-# MGPU_CASES[0] and [9] run compiled only (pytest -m gpu); programs of two pairs: [8] (D = 64)
+# MGPU_CASES[0] and [9] run compiled only (-m gpu_mgpu); programs of two pairs: [8] (D = 64)
 # here, [9] (D = 128) compiled.
 MGPU_RUNS = [(MGPU_CASES[1], 3), (MGPU_CASES[2], 2), (MGPU_CASES[3], 3),
              (MGPU_CASES[4], 3), (MGPU_CASES[5], 2), (MGPU_CASES[5], 3), (MGPU_CASES[6], 2),
@@ -404,8 +490,8 @@ def test_mgpu_attention_matches_reference(case, pattern):
     spec = _spec(d, d, "uniform", "bfloat16", hist=hist)
     rng = np.random.default_rng([d, g, hist, target, pattern])
     assert mixed_attention_mgpu.supports(spec, 1, g)
-    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=target,
-                               warpgroups=3 if d <= 128 else 1)  # 3 per block: large shapes' default
+    config = MgpuConfig(3, 2, target) if d <= 128 else MgpuConfig(1, 3, target)  # 3 per block: large shapes'
+    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, config=config)
     _check_attention(rng, spec, g, 1, _lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True,
                      rotates=True)
 
@@ -430,8 +516,7 @@ def test_mgpu_one_warpgroup_three_buffers_match_reference():
     query_rot=None path and decode_finish's output_rot=None path)."""
     spec = _spec(128, 128, "uniform", "bfloat16", hist=1024)
     rng = np.random.default_rng(3)
-    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, target_programs=8, buffers=3,
-                               warpgroups=1)
+    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, config=MgpuConfig(1, 3, 8))
     _check_attention(rng, spec, 4, 1, _lengths(rng, 13, 1, spec), kernel=kernel, k_shift=True,
                      rotates=False)
 
@@ -440,7 +525,10 @@ def test_mgpu_schedule():
     """3 programs per block only where they outnumber one wave of 2 per SM (132 SMs off a
     GPU), and then 2 TMA buffers only; the work line cut into the fewest units per program
     that make at most the target."""
-    schedule = mixed_attention_mgpu.schedule
+    def schedule(pairs, tiles, d, **kw):
+        config, line = mixed_attention_mgpu.schedule(pairs, tiles, d, sms=132, **kw)
+        return config.warpgroups, config.buffers, line
+
     loads = lambda line: np.diff(line.bounds)
     wg, buffers, line = schedule(64, 512, 128, dense_blocks=5)  # B8 H8 128K: 396 of 396 slots
     assert (wg, buffers, line.dense, line.programs, loads(line).max()) == (3, 2, 6, 396, 85)
@@ -451,17 +539,17 @@ def test_mgpu_schedule():
     assert (wg, buffers, line.programs) == (1, 3, 128)
     wg, buffers, line = schedule(8, 128, 256, dense_blocks=5)  # D = 256: one a block, at most 1024
     assert (wg, buffers, line.programs, loads(line).max()) == (1, 3, 520, 6)
-    wg, buffers, line = schedule(64, 512, 128, warpgroups=1, buffers=2, target_programs=128)
+    wg, buffers, line = schedule(64, 512, 128, config=MgpuConfig(1, 2, 128))
     assert (wg, buffers, line.programs, loads(line).max()) == (1, 2, 128, 256)
     # 3 units each would make 16 programs (the cuts moved out of the sinks and rings): 4
-    wg, buffers, line = schedule(8, 1, 128, dense_blocks=2, warpgroups=1, target_programs=12)
+    wg, buffers, line = schedule(8, 1, 128, dense_blocks=2, config=MgpuConfig(1, 3, 12))
     assert (line.programs, loads(line).max()) == (8, 4)
     for bad in (0, 3):
         with pytest.raises(ValueError, match="warpgroups"):
-            schedule(8, 4, 256 if bad else 128, warpgroups=bad)
+            schedule(8, 4, 256 if bad else 128, config=MgpuConfig(bad, 2, 396))
     for bad in (1, 3):  # several warpgroups share the code buffers' union only at depth 2
         with pytest.raises(ValueError, match="buffers"):
-            schedule(64, 512, 128, warpgroups=3, buffers=bad)
+            schedule(64, 512, 128, config=MgpuConfig(3, bad, 396))
     with pytest.raises(ValueError, match="per_program"):
         mixed_attention_mgpu.WorkLine.cut(4, 3, 2, 6)
     with pytest.raises(ValueError, match="switch"):
@@ -673,17 +761,19 @@ def test_auto_picks_mosaic_gpu_kernel_for_hopper_decode(monkeypatch):
     assert attention.resolve("auto", spec, 1, 16, backend="gpu") == "pallas"
     d64 = _spec(64, 64, "uniform", "bfloat16", hist=1536)
     assert attention.resolve("auto", d64, 1, 3, backend="gpu") == "pallas_mosaic_gpu"
-    assert attention.resolve("pallas_mosaic_gpu", d64, 1, 3) == "pallas_mosaic_gpu"
+    assert attention.resolve("pallas_mosaic_gpu", d64, 1, 3, backend="gpu") == "pallas_mosaic_gpu"
     with pytest.raises(ValueError, match="C=7 queries"):
-        attention.resolve("pallas_mosaic_gpu", spec, 7, 4)
+        attention.resolve("pallas_mosaic_gpu", spec, 7, 4, backend="gpu")
     monkeypatch.setattr(hopper, "device_supported", lambda: False)
     assert attention.resolve("auto", spec, 1, 4, backend="gpu") == "pallas"
+    with pytest.raises(ValueError, match="sm_90"):  # an explicit request on a GPU that is not Hopper
+        attention.resolve("pallas_mosaic_gpu", spec, 1, 4, backend="gpu")
 
 
 # CI time: 16-46 s a case on 2 cores; 1 warpgroup a block at D <= 128 and 4 slices a tile lower
 # only on the GPU (`test_mgpu_one_warpgroup_on_gpu`, `test_mgpu_attention_on_gpu`).
-@pytest.mark.parametrize("d,g,rotate,warpgroups", [(128, 4, True, None), (256, 8, True, None), (64, 3, False, None)])
-def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
+@pytest.mark.parametrize("d,g,rotate", [(128, 4, True), (256, 8, True), (64, 3, False)])
+def test_mgpu_lowers_for_cuda(d, g, rotate):
     """B8 Hkv 8 at 32K, slices_per_tile 2 (D = 128), 1 (D = 256) and 2 at D = 64's 64-byte
     swizzle, 3 programs per block at D <= 128 (1 at D = 256): Mosaic GPU's layout inference,
     wgmma and TMA checks for sm_90, and the Triton lowering of decode_start (without a
@@ -697,9 +787,9 @@ def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
             sds((b, hkv, rows, d), u8), sds((b, hkv, d, rows), u8),
             *[sds((b, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
-    fn = functools.partial(mixed_attention_mgpu.mixed_attention, sink=sink, window=window, bits=2,
-                           levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5, interpret=False,
-                           warpgroups=warpgroups)
+    fn = lambda q, *cache, **kw: mixed_attention_mgpu.mixed_attention(
+        q, layout.CacheArrays(*cache), sink=sink, window=window, bits=2, levels=(0.0, 1.0, 2.0, 3.0),
+        softmax_scale=d ** -0.5, **kw)
     if rotate:
         rot = sds((hkv, 2, d, d), bf) if d == 128 else sds((hkv, d, d), jnp.float32)
         _lower_for_h200(lambda *a: fn(*a[:-2], query_rot=a[-2], output_rot=a[-1]), (*args, rot, rot))
@@ -708,21 +798,29 @@ def test_mgpu_lowers_for_cuda(d, g, rotate, warpgroups):
 
 
 # ---------------------------------------------------------------------------------------
-# The same checks compiled for a real GPU (Triton lowering rules apply): pytest -m gpu.
+# The same checks compiled for a real GPU (Triton lowering rules apply), in the groups of the
+# module docstring: each test carries the marker `gpu` and its group's.
 
-gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+def on_gpu(group: str):
+    """Mark a test as compiled-GPU only: markers `gpu` and `group` (conftest.GPU_GROUPS),
+    skipped off a GPU."""
+    def mark(fn):
+        for m in (pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+                  getattr(pytest.mark, group), pytest.mark.gpu):
+            fn = m(fn)
+        return fn
+    return mark
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_triton")
 @pytest.mark.parametrize("pattern", range(1))
 @pytest.mark.parametrize("config", ATTN_CONFIGS, ids=lambda c: "d{}-g{}-c{}-G{}-{}-{}".format(*c))
 def test_attention_on_gpu(config, pattern):
     test_attention_matches_reference(config, pattern)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_triton")
 @pytest.mark.parametrize("d,g,c", [(128, 4, 1), (128, 8, 64)])
 def test_attention_on_gpu_real_windows(d, g, c):
     """Production sink/window (64/256), a few thousand history tokens, ragged batch."""
@@ -732,35 +830,32 @@ def test_attention_on_gpu_real_windows(d, g, c):
 
 
 @pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("case", MGPU_CASES, ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c))
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.gpu_mgpu if c[0] == 128 else pytest.mark.gpu_decode)
+                                  for c in MGPU_CASES], ids=lambda c: "d{}-g{}-hist{}-p{}".format(*c))
 def test_mgpu_attention_on_gpu(case):
     # pattern 3 at 4096 tokens (full rows): both pieces of the two-pair programs have steps
     test_mgpu_attention_matches_reference(case, 3 if case[2] == 4096 else 9)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_mgpu")
 def test_mgpu_one_warpgroup_on_gpu():
     test_mgpu_one_warpgroup_three_buffers_match_reference()
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_decode_parts")
 @pytest.mark.parametrize("d,g,rotate", QUERY_LAYOUT_CASES)
 def test_mgpu_query_layout_on_gpu(d, g, rotate):
     test_mgpu_query_layout_is_finer_than_bf16(d, g, rotate, interpret=False)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_decode_parts")
 @pytest.mark.parametrize("d,g,cols,splits,rotate", FINISH_CASES)
 def test_decode_finish_on_gpu(d, g, cols, splits, rotate):
     test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interpret=False)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_decode")
 @pytest.mark.parametrize("d,g", [(128, 4), (256, 4), (64, 3)])
 def test_mgpu_attention_on_gpu_real_windows(d, g):
     """Production sink/window (64/256: the kernel's bf16 blocks unpadded), a ragged
@@ -771,8 +866,7 @@ def test_mgpu_attention_on_gpu_real_windows(d, g):
                      kernel=mixed_attention_mgpu.mixed_attention, rotates=True)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_decode")
 def test_auto_attend_on_gpu_runs_the_preferred_kernel():
     """attend(implementation="auto") at D = 128 decode: the Mosaic GPU kernel on sm_90 (the
     Triton one elsewhere), through the same entry point the models use, against the reference."""
@@ -805,8 +899,7 @@ def _decision_margin(x, rot, lengths, cache, spec):
     return out
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_write")
 @pytest.mark.parametrize("case", MGPU_WRITE_CASES + [(2, 4096, 8, 128, 0, 4096, True, "permutation", 3, 128, True),
                                   (2, 4096, 8, 128, 256, 3840, False, "dense", 3, 128, False)],
                          ids=lambda c: "-".join(map(str, c)))
@@ -814,8 +907,7 @@ def test_quantize_pack_mgpu_on_gpu(case):
     _check_mgpu_write(case, interpret=False)
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_write")
 @pytest.mark.parametrize("config", WRITE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_write_prompt_on_gpu_ties_only(config):
     """With an exact (signed-permutation) rotation the compiled kernel and XLA agree on every
@@ -835,7 +927,7 @@ def test_write_prompt_on_gpu_ties_only(config):
     lengths = jnp.asarray([t, t - 30, 40])
     write = jax.jit(cache_lib.write_prompt, static_argnames=("implementation",))
     empty = cache_lib.OscarCache.init(spec).layer(0)
-    got = write(empty, k, v, lengths, params, implementation="pallas")
+    got = write(empty, k, v, lengths, params, implementation=_write_kernel(spec))
     want = write(empty, k, v, lengths, params, implementation="xla")
     for name in ("sink_k", "sink_v", "recent_k", "recent_v", "lengths", "hist_lo_k", "hist_lo_v",
                  "hist_scale_k", "hist_scale_v"):
@@ -854,178 +946,9 @@ def test_write_prompt_on_gpu_ties_only(config):
             f"{which}: {differ.sum()} codes differ, {np.sum(margin[differ] >= 1e-4)} away from a boundary")
 
 
-@pytest.mark.gpu
-@gpu
+@on_gpu("gpu_write")
 @pytest.mark.parametrize("config", WRITE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_write_prompt_on_gpu(config):
     # A dense rotation adds bf16 rounding of x·R (1 ulp moves lo/scale and the codes near
     # a boundary): measured on an H200, <= 0.34% of code elements, by one level.
     test_write_prompt_pallas_matches_xla(config, "dense", 0, exact=False)
-
-
-def _bench_module(name: str):
-    """bench/<name>.py as a module (registered in sys.modules, as its dataclasses need)."""
-    import importlib.util
-    import pathlib
-    import sys
-    path = pathlib.Path(__file__).parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def timeline():
-    return _bench_module("timeline")
-
-
-def test_kernels_table_of_a_cut_off_run(tmp_path):
-    """bench/kernels.py --markdown: the table of a run its time limit cut off (the JSON is saved
-    after every op timed): a row stopped after cuDNN shows that ratio, from the times, and n/a
-    for torch; a row stopped in its first op shows n/a throughout; an empty row, none."""
-    import json
-    kernels = _bench_module("kernels")
-    cut = {"shape": {"name": "B8 128K"}, "bits_per_element": 2.28, "auto": "pallas_mosaic_gpu",
-           "oscar_ms": 0.784, "oscar_mgpu_ms": 0.1951, "auto_ms": 0.1951, "auto_GBps": 3143.0, "jax_cudnn_ms": 0.9686}
-    result = {"device": "NVIDIA H200", "jax": "0.11.2", "command": "python bench/kernels.py", "reps": 50,
-              "ceiling": {"xla_sum_read_GBps": 4676.0, "copy_read_write_GBps": 3370.0},
-              "attention": [cut, {"shape": {"name": "B8 32K"}, "bits_per_element": 2.38, "auto": "pallas_mosaic_gpu"},
-                            {}]}  # the last cut off while its cache was built: no line
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(result))
-    kernels.main(["--markdown", "--out", str(path)])
-    rows = [line.split(" | ") for line in (tmp_path / "run.md").read_text().splitlines() if line.startswith("| B8")]
-    assert [r[0] for r in rows] == ["| B8 128K", "| B8 32K"]
-    assert rows[0][3:7] == ["0.195", "3143", f"{0.9686 / 0.1951:.3f}", "n/a"]  # OSCAR ms, GB/s, x cuDNN, x torch
-    assert set(rows[1][3:-1]) <= {"n/a", "nan"}
-
-
-def test_timeline_patch_applies_and_summarises(timeline):
-    """bench/timeline.py: its stamps patch still applies (each replaced text once) to
-    mixed_attention_mgpu.py, and its summary of synthetic stamps (program k ends at k + 1 us,
-    two programs per SM) gives the end times and each SM's idle time before the end, the
-    one-piece programs by the kind of their block, and the
-    per-tile fit of the pieces of two-piece programs."""
-    assert callable(timeline.instrumented().mixed_attention)
-    line = mixed_attention_mgpu.WorkLine.cut(4, 3, 1, 2)
-    n = line.programs
-    stamps = np.zeros((n + 2, 16), np.int32)  # two spare slots, ignored
-    stamps[:n, 0] = 500  # every start at 0.5 us
-    stamps[:n, 6] = 500 + 1000 * (np.arange(n) + 1)
-    stamps[:n, 2] = np.arange(n) // 2
-    out = timeline.summary(stamps, line)
-    ends = np.arange(n) + 1.0
-    last = ends.reshape(-1, 2).max(axis=1) if n % 2 == 0 else np.append(ends[:-1].reshape(-1, 2).max(axis=1), ends[-1])
-    assert out["programs"] == n and out["end_us"][100] == n and out["end_us"][0] == 1.0
-    assert out["sms"] == len(last) and out["mean_sm_idle_before_end_us"] == round(float(n - last.mean()), 1)
-    # One-piece programs by block (3 programs a block): with a two-piece program in it or not.
-    line = mixed_attention_mgpu.WorkLine.cut(6, 10, 1, 4)
-    n = line.programs
-    stamps = np.zeros((n, 16), np.int32)
-    stamps[:, 6] = 1000 * (np.arange(n) + 1)
-    kinds = timeline.summary(stamps, line)["kinds"]
-    two = [(u0 // line.unit + 1) * line.unit < u1 for u0, u1 in zip(line.bounds[:-1], line.bounds[1:])]
-    mixed = [any(two[k - k % 3:k - k % 3 + 3]) for k in range(n)]
-    for name, want in (("one piece, a block with a two-piece program", True),
-                       ("one piece, a block of one-piece programs", False)):
-        ks = [k for k in range(n) if not two[k] and mixed[k] == want]
-        assert ks and kinds[name]["programs"] == len(ks) and kinds[name]["end_us"][100] == ks[-1] + 1
-    # Two-piece programs whose pieces take 3 + 2 us a tile and 5 + 2.5 us a tile: the fit
-    # gives them back.
-    line = mixed_attention_mgpu.WorkLine.cut(8, 10, 1, 7)
-    u0, u1 = np.asarray(line.bounds[:-1]), np.asarray(line.bounds[1:])
-    tiles = [np.asarray(line.piece(u0, u1, i)[3] - line.piece(u0, u1, i)[2]) for i in range(2)]
-    stamps = np.zeros((line.programs, 16), np.int32)
-    stamps[:, 3] = 1000 * (3 + 2 * tiles[0])
-    stamps[:, 6] = stamps[:, 3] + 1000 * (5 + 2.5 * tiles[1])
-    pieces = timeline.summary(stamps, line)["pieces"]
-    assert pieces["first"]["programs"] == pieces["second"]["programs"] == int((line.pieces(u0, u1) > 1).sum()) > 2
-    assert (pieces["first"]["us_per_tile"], pieces["first"]["fixed_us"]) == (2.0, 3.0)
-    assert (pieces["second"]["us_per_tile"], pieces["second"]["fixed_us"]) == (2.5, 5.0)
-
-
-def test_timeline_rebuilds_the_lines_of_saved_timelines(timeline):
-    """bench/timeline.py --model on the committed timelines of sessions 17-18, which hold no
-    "line" entry: `saved_line` rebuilds their work line with that time's costs (not the
-    module's current ones) and its bounds match the saved ones."""
-    import json
-    import pathlib
-
-    results = pathlib.Path(__file__).parents[1] / "bench" / "results"
-    for session in (17, 18):
-        saved = json.loads((results / f"timeline_session{session}_h200.json").read_text())
-        line = timeline.saved_line(saved)
-        assert line.bounds == tuple(saved["bounds"]) and (line.pairs, line.dense, line.programs) == (64, 4, 394)
-
-
-def test_timeline_line_model_recovers_its_costs(timeline):
-    """bench/timeline.py --model: programs timed as 4 us + 2 us a tile + 9 us a sink and ring
-    + 7 us a second piece + 1 us on warpgroup 0 - 0.5 us on warpgroup 2 - 1.5 us for a
-    one-piece program beside a two-piece one in its block + a small random pace each: the fit
-    gives the costs back, the measured line's modelled end is its measured end, and a line of
-    longer programs on the same paces ends later."""
-    line = mixed_attention_mgpu.WorkLine.cut(30, 50, 3, 17, 4)  # cuts not periodic in the warpgroups
-    # The features counted from the bounds alone: a pair's sink and ring are its first 3 units.
-    x = []
-    for k, (u0, u1) in enumerate(zip(line.bounds[:-1], line.bounds[1:])):
-        sinks = sum(u0 <= base < u1 for base in range(0, line.pairs * line.unit, line.unit))
-        two = (u0 // line.unit + 1) * line.unit < u1
-        x.append([1, u1 - u0 - 3 * sinks, sinks, two, k % 3 == 0, k % 3 == 2, 0])
-    x = np.array(x, np.float64)
-    for k in range(line.programs):  # beside a two-piece program in its block of 3
-        x[k, 6] = not x[k, 3] and x[k - k % 3:k - k % 3 + 3, 3].any()
-    np.testing.assert_array_equal(timeline.features(line), x)
-    assert 5 < x[:, 3].sum() and 5 < x[:, 6].sum() and 5 < (x[:, 3] + x[:, 6] == 0).sum()  # every kind
-    rng = np.random.default_rng(4)
-    coef = np.array([4.0, 2.0, 9.0, 7.0, 1.0, -0.5, -1.5])
-    start = rng.uniform(0.0, 0.3, line.programs)
-    stamps = np.zeros((line.programs + 1, 16), np.int32)  # a spare slot, ignored
-    stamps[:-1, 0] = np.round(1000 * start)
-    stamps[:-1, 6] = np.round(1000 * (start + x @ coef + rng.normal(0.0, 0.1, line.programs)))
-    model = timeline.fit(stamps, line)
-    np.testing.assert_allclose(model["coef"], coef, atol=0.2)
-    assert timeline.modelled_end(model, line) == pytest.approx(model["end_us"], abs=1e-6)
-    longer = mixed_attention_mgpu.WorkLine.cut(30, 50, 3, 25, 4)
-    assert timeline.modelled_end(model, longer) > model["end_us"] + 5
-    with pytest.raises(ValueError, match="knows the pace"):  # more programs than were timed
-        timeline.modelled_end(model, mixed_attention_mgpu.WorkLine.cut(30, 50, 3, 12, 4))
-
-
-# nvdisasm -c -g text: an instruction before a loop, a loop of two MMAs from source lines 10
-# and 11 with a forward branch out of it and a predicated branch back, the exit, a retry block
-# after the exit that branches back into the loop (no loop: the run holds the EXIT), and the
-# end's branch to itself.
-_SASS = """
-        /*0000*/                   MOV R1, c[0x0][0x28] ;
-.L_x_3:
-	//## File "/src/kernel.py", line 10
-        /*0010*/                   IGMMA.64x16x32.S8.S8 R40, R24, gdesc[UR8], RZ, !UPT ;
-        /*0020*/                   LOP3.LUT R24, R28, 0x3030303, RZ, 0xc0, !PT ;
-.L_x_5:
-	//## File "/src/kernel.py", line 11
-        /*0030*/                   IGMMA.64x16x32.S8.S8 R40, R48, gdesc[UR24], R40 ;
-        /*0040*/               @P4 BRA `(.L_x_4) ;
-        /*0050*/             @!UP1 BRA `(.L_x_3) ;
-        /*0060*/                   EXIT ;
-.L_x_4:
-        /*0070*/                   NANOSLEEP 0x10 ;
-        /*0080*/                   BRA `(.L_x_5) ;
-.L_x_6:
-        /*0090*/                   BRA `(.L_x_6) ;
-"""
-
-
-def test_sass_summary_counts_a_loop():
-    """bench/sass.py: the loop is the run from its label to the branch back; neither the forward
-    branch, nor the retry block's branch back across the exit, nor the end's branch to itself
-    make one; opcodes drop predicates (uniform ones too) and modifiers; instructions count by
-    source file and line."""
-    sass = _bench_module("sass")
-    instructions, labels = sass.parse(_SASS)
-    assert labels == {"3": 1, "5": 3, "4": 7, "6": 9} and len(instructions) == 10
-    assert sass.loops(instructions, labels) == [(1, 5)]
-    summary = sass.summarise(instructions[1:6], top_lines=1)
-    assert summary["instructions"] == 5 and summary["mmas"] == 2
-    assert summary["opcodes"] == {"IGMMA": 2, "BRA": 2, "LOP3": 1}
-    assert summary["lines"] == {"kernel.py:11": 3}

@@ -165,10 +165,10 @@ def _random_cache(config: Config, lengths, seed):
 def _implementations(config: Config):
     """Jitted (reference, kernel) for one static configuration, cached across draws."""
     if config.hist_rows is None:
-        kernel = functools.partial(attention.attend, implementation="pallas_tpu")
+        kernel = functools.partial(attention.attend, implementation="pallas_tpu", interpret=True)
     else:
-        kernel = attention.kernel_attend(functools.partial(
-            ma.mixed_attention, config=ma.AttentionConfig(config.hist_rows)))
+        kernel = functools.partial(attention.kernel_attend(functools.partial(
+            ma.mixed_attention, config=ma.AttentionConfig(config.hist_rows))), interpret=True)
     return jax.jit(functools.partial(attention.attend, implementation="xla")), jax.jit(kernel)
 
 
@@ -196,7 +196,7 @@ def test_fewer_bf16_passes_trade_precision():
     for passes, tol in ((2, 2e-4), (1, 2e-2)):
         kernel = attention.kernel_attend(functools.partial(
             ma.mixed_attention, config=ma.AttentionConfig(128, passes=passes)))
-        o, lse = jax.jit(kernel)(q, cache, params)
+        o, lse = jax.jit(functools.partial(kernel, interpret=True))(q, cache, params)
         np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=tol, rtol=tol)
         np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), atol=tol, rtol=tol)
         errors.append(float(np.abs(np.asarray(o - want_o)).max()))
@@ -237,7 +237,9 @@ def test_attention_over_written_cache():
 def test_auto_picks_tpu_kernel_on_tpu_backend():
     spec = CacheSpec(1, 1, 1, 64, 64 + 256 + 64)
     assert attention.resolve("auto", spec, 1, 4, backend="tpu") == "pallas_tpu"
-    assert attention.resolve("pallas_tpu", spec, 1, 4, backend="cpu") == "pallas_tpu"
+    assert attention.resolve("pallas_tpu", spec, 1, 4, backend="cpu", interpret=True) == "pallas_tpu"
+    with pytest.raises(ValueError, match="interpret=True"):  # off a TPU only as an explicit opt-in
+        attention.resolve("pallas_tpu", spec, 1, 4, backend="cpu")
 
 
 def _walk(jaxpr, origin):
@@ -260,7 +262,7 @@ def test_hbm_operands_are_the_packed_cache_arrays():
     names = [f.name for f in dataclasses.fields(cache) if f.name != "spec"]
     fn = lambda q, *leaves: attention.attend(
         q, jax.tree.unflatten(jax.tree.structure(cache), leaves), params,
-        implementation="pallas_tpu")
+        implementation="pallas_tpu", interpret=True)
     closed = jax.make_jaxpr(fn)(q, *leaves)
     origin = dict(zip(closed.jaxpr.invars, ["q", *names]))
     (eqn, operand_origins), = list(_walk(closed.jaxpr, origin))
@@ -298,9 +300,7 @@ def test_kernels_lower_to_mosaic(config, chip):
         ma.mixed_attention, sink=spec.sink, window=spec.window, bits=spec.quant.bits,
         levels=spec.quant.levels, softmax_scale=0.1, interpret=False,
         config=ma.AttentionConfig(config.hist_rows or 2048))
-    args = (q, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
-            cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
-            cache.recent_k, cache.recent_v, cache.lengths)
+    args = (q, layout.CacheArrays.of(cache))
     x = jnp.zeros((config.batch, 1024, config.hkv, config.d), jnp.bfloat16)
     write = functools.partial(
         bw.bulk_write, bits=spec.quant.bits, group_size=spec.quant.group_size,
@@ -325,17 +325,15 @@ def test_interpret_flag_maps_to_checked_interpret_mode():
 
 def test_bad_inputs_raise_named_errors():
     q, cache, params = _random_cache(Config(64, 1, 1, batch=1), (100,), 0)
-    args = [q, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v,
-            cache.hist_lo_k, cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v,
-            cache.recent_k, cache.recent_v, cache.lengths]
+    arrays = layout.CacheArrays.of(cache)
     kw = dict(sink=16, window=64, bits=2, levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=0.125,
               interpret=True)
     with pytest.raises(ValueError, match="lengths"):
-        ma.mixed_attention(*args[:-1], cache.lengths.astype(jnp.float32), **kw)
+        ma.mixed_attention(q, arrays._replace(lengths=cache.lengths.astype(jnp.float32)), **kw)
     with pytest.raises(ValueError, match="hist_codes_v"):
-        ma.mixed_attention(*args[:4], args[4][..., :32], *args[5:], **kw)
+        ma.mixed_attention(q, arrays._replace(hist_codes_v=cache.hist_codes_v[..., :32]), **kw)
     with pytest.raises(ValueError, match="levels"):
-        ma.mixed_attention(*args, **{**kw, "levels": (0.0, 1.0)})
+        ma.mixed_attention(q, arrays, **{**kw, "levels": (0.0, 1.0)})
     with pytest.raises(ValueError, match="hist_rows=100"):
         ma.AttentionConfig(100)
     with pytest.raises(ValueError, match="T=6"):
@@ -418,7 +416,7 @@ def test_write_prompt_through_bulk_kernel_equals_xla_path():
     k = jnp.asarray(rng.standard_normal((2, t, 2, 64)).astype(np.float32) * 2 + 0.5)
     v = jnp.asarray(rng.standard_normal((2, t, 2, 64)).astype(np.float32))
     write = lambda impl: oj.write_prompt(oj.OscarCache.init(spec).layer(0), k, v, jnp.asarray([t, t - 7]),
-                                         params, implementation=impl)
+                                         params, implementation=impl, interpret=impl != "xla")
     ref, got_cache = write("xla"), write("pallas_tpu")
     for name in ("sink_k", "sink_v", "recent_k", "recent_v", "lengths"):
         np.testing.assert_array_equal(np.asarray(getattr(got_cache, name)), np.asarray(getattr(ref, name)))

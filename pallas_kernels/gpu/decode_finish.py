@@ -9,7 +9,7 @@ its log-sum-exp in base 2, column c for query c % cols (column blocks of packed 
 slices; -inf where a partial saw nothing). One program per (batch row, KV head, block of 64
 output channels, 32 without the rotation) merges the partials elementwise in f32 (pass 1: each query's largest lse;
 pass 2: the weighted sum of the [D, 8] partials, whole 32-byte rows, several per step; an
-FMA dot over all 16 query rows took half of the kernel's instructions on the H200) and,
+FMA dot over all 16 query rows would be half of the kernel's instructions) and,
 given the output rotation, rotates its block of the result back (rows of the rotation times
 o_rot; it then merges all D). The returned lse is in the natural base.
 
@@ -21,6 +21,7 @@ only the output.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -33,28 +34,41 @@ from jax.experimental.pallas import triton as plgpu
 from .decode_start import bf16_parts, bf16_product, rotation_input
 
 _LN2 = math.log(2.0)
-# Output channels per program: 64 with the back-rotation (each program then merges all D), 32
-# when it only merges (H200, B8 H32/8 D128 128K, v_folded params: 3.58-3.63 us a call at 32,
-# 4.91-4.96 at 64, 4.02-4.08 at 128; bench/results/kernels_session21_ab_h200.json run 1).
-_D_BLOCK, _D_BLOCK_MERGE = 64, 32
 _Q = 16  # query columns of every tile: the partials' 8, padded to the least dot N
-_CHUNK_ELEMENTS = 8192  # f32 elements of partials merged per step ([chunk, D_merged, 8])
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of `decode_finish`.
+
+    channels: output channels per program with the back-rotation (each program then merges
+      all D); merge_channels: without it (the fastest of 32, 64 and 128 at D = 128);
+    chunk_elements: f32 elements of partials merged per step ([chunk, D_merged, 8]);
+    num_warps, num_stages: Triton's.
+    """
+
+    channels: int = 64
+    merge_channels: int = 32
+    chunk_elements: int = 8192
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def channel_block(self, d: int, rotate: bool) -> int:
+        """Output channels per program."""
+        return min(d, self.channels if rotate else self.merge_channels)
 
 
 def _pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
-def _channel_block(d: int, rotate: bool) -> int:
-    return min(d, _D_BLOCK if rotate else _D_BLOCK_MERGE)
-
-
-def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: int, rotate: bool, split: bool):
+def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: int, rotate: bool, split: bool,
+            config: Config):
     rot_ref, o_ref, lse_out_ref = refs if rotate else (None, *refs)
     b, h = pl.program_id(0), pl.program_id(1)
     splits, d = ot_ref.shape[2], ot_ref.shape[3]
     used = counts_ref[counts_at + b * pl.num_programs(1) + h]  # partials 0 .. used - 1 hold data
-    db = _channel_block(d, rotate)
+    db = config.channel_block(d, rotate)
     out_cols = pl.program_id(2) * db + jnp.arange(db)  # this program's output channels
     mcol = jnp.arange(d) if rotate else out_cols  # the channels it merges
     # Query column i holds query min(i, g - 1): columns past g repeat query g - 1, so that the
@@ -68,9 +82,8 @@ def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: in
     def load(at, ok, other):
         """A load of partial slots, `other` where not ok (a slot past `counts`: any bits, NaN
         too). When the program only merges, unmasked with a select, so that no load waits for
-        the count: 3.31-3.35 against 3.61-3.62 us a call masked (H200, B8 H32/8 D128 128K,
-        v_folded; bench/results/kernels_session26_ab_h200.json); with the rotation masked,
-        which skips the unused slots: 5.41 against 6.08-6.18 us (session 20)."""
+        the count; with the rotation masked, which skips the unused slots (each the faster
+        there)."""
         return plgpu.load(at, mask=ok, other=other) if rotate else jnp.where(ok, plgpu.load(at), other)
 
     # Pass 1: each query's largest log-sum-exp, per partial column.
@@ -83,7 +96,7 @@ def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: in
 
     # Pass 2: acc[:, p] = sum over partials of 2^(lse - top) o (elementwise, f32), `chunk`
     # partials ([chunk, D_merged, 8], whole 32-byte rows) per step.
-    chunk = min(_pow2(splits), max(1, _CHUNK_ELEMENTS // (mcol.shape[0] * 8)))
+    chunk = min(_pow2(splits), max(1, config.chunk_elements // (mcol.shape[0] * 8)))
     ks = jnp.arange(chunk)
 
     def merge(i, carry):
@@ -112,7 +125,7 @@ def _kernel(ot_ref, lse_ref, counts_ref, *refs, g: int, cols: int, counts_at: in
 
 
 def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, output_rot=None,
-                  out_dtype=jnp.float32, interpret: bool = False):
+                  out_dtype=jnp.float32, interpret: bool = False, config: Config = Config()):
     """Merge the partials, rotate back.
 
     o_t: f32 [B, Hkv, S, D, 8] normalised partials, column c for query c % cols; lse2: f32
@@ -124,6 +137,7 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, o
     (o = o_rot · output_rot[h]^T when given; each channel block then merges all D, which the
     Mosaic GPU path does only at D <= 128). Returns (o out_dtype [B, Hkv, g, D]
     (written so by the kernel: no XLA convert after it), lse f32 [B, Hkv, g], natural base).
+    config: `Config`.
     """
     b, hkv, splits, d = o_t.shape[:4]
     if o_t.shape != (b, hkv, splits, d, 8) or lse2.shape != (b, hkv, splits, 8) or not 1 <= g <= cols <= 8:
@@ -139,12 +153,12 @@ def decode_finish(o_t, lse2, counts, *, cols: int, g: int, counts_at: int = 0, o
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), out_dtype), jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]
     return pl.pallas_call(
-        functools.partial(_kernel, g=g, cols=cols, counts_at=counts_at, rotate=rotate, split=split),
-        grid=(b, hkv, d // _channel_block(d, rotate)),
+        functools.partial(_kernel, g=g, cols=cols, counts_at=counts_at, rotate=rotate, split=split, config=config),
+        grid=(b, hkv, d // config.channel_block(d, rotate)),
         in_specs=[full(x) for x in arrays],
         out_specs=[full(o) for o in out_shape],
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="oscar_decode_finish",
     )(*arrays)

@@ -2,9 +2,9 @@
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
-One program per (batch row, KV head, block of 32 rotated channels) rotates its block of the g
-queries, folds in the softmax scale and log2 e (every score of the decode is in base 2), and
-lays it out for `mixed_attention_mgpu`: the int8 q_hi / q_lo blocks and q_step / Σq tiles of
+One program per (batch row, KV head, block of `Config.channels` rotated channels) rotates its
+block of the g queries, folds in the softmax scale and log2 e (every score of the decode is in
+base 2), and lays it out for `mixed_attention_mgpu`: the int8 q_hi / q_lo blocks and q_step / Σq tiles of
 the history's int8 MMAs, and the bf16 hi + lo parts of the queries for the bf16 MMAs over the
 sink and ring. The two per-query numbers that span every channel come from the model-basis
 query and the rotation's statistics (`layout.rotation_stats`), so no program needs another's
@@ -23,6 +23,7 @@ more for a dual M by its column norms' spread. Given the rotation's parts ready
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,9 +38,14 @@ TILE_ROWS = 64  # rows of the history kernel's [64, 8] score tiles (qcol repeats
 Q_LO = 256.0  # q ≈ q_step * (256 q_hi + q_lo)
 _Q_PEAK = 127.0  # q / unit in [-127, 127]
 LOG2E = 1.4426950408889634
-# Rotated channels per program and Triton warps.
-_CHANNELS = 32
-_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of `decode_start`: rotated channels per program (at most D), Triton's warps."""
+
+    channels: int = 32
+    num_warps: int = 4
 
 
 def bf16_parts(x: jax.Array) -> tuple[jax.Array, ...]:
@@ -63,7 +69,7 @@ def rotation_input(rot, kv_heads: int, d: int, name: str) -> tuple[jax.Array | N
 def bf16_product(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> jax.Array:
     """f32 a @ b from the bf16 parts of each (`bf16_parts`; [M, K] and [K, N]): the products
     of the parts but lo · lo, in f32 (~16 bits, as fine as the q_hi / q_lo split; TF32 is too
-    coarse, and six products for ~f32 took 10.3 against ~5 us a call)."""
+    coarse, and six products for ~f32 would double the kernel's time)."""
     dot = lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)
     out = dot(a[0], b[0])
     if len(b) > 1:
@@ -127,12 +133,12 @@ def _kernel(q_ref, *refs, g: int, cols: int, scale: float, rotate: bool, split: 
 
 
 def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: int, query_rot_stats=None,
-                 interpret: bool = False):
+                 interpret: bool = False, config: Config = Config()):
     """q [B, Hq, D] (model basis, or rotated when query_rot is None); query_rot f32
     [Hkv, D, D], its bf16 parts [Hkv, 2, D, D] (`layout.split_bf16`: nothing to split in the
     kernel) or None; query_rot_stats: f32 [Hkv, 2, D] = `layout.rotation_stats(query_rot)` (which
     `LayerParams` holds; computed here when None); packed: the history kernel's token slices
-    per score tile.
+    per score tile; config: `Config`.
 
     Returns, per (batch row, KV head), in one Triton kernel, all in base 2 (log2 e and the
     softmax scale folded into the rotated queries); column c of the N = 8 query columns is
@@ -161,11 +167,11 @@ def decode_start(q, query_rot, *, kv_heads: int, softmax_scale: float, packed: i
                  jax.ShapeDtypeStruct((b, kv_heads, 2, 2 * N, d), jnp.bfloat16)]
     return pl.pallas_call(
         functools.partial(_kernel, g=g, cols=cols, scale=softmax_scale, rotate=rotate, split=split),
-        grid=(b, kv_heads, d // min(d, _CHANNELS)),
+        grid=(b, kv_heads, d // min(d, config.channels)),
         in_specs=[full(x.shape) for x in inputs],
         out_specs=[full(o.shape) for o in out_shape],
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=_WARPS, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="oscar_decode_start",
     )(*inputs)

@@ -10,10 +10,11 @@ H200_SMS = 132  # the SM count where the device reports none (interpret mode, lo
 
 
 def device_supported() -> bool:
-    """Whether the default device runs the Mosaic GPU kernels: an sm_90 GPU (TMA + wgmma), or
-    the CPU (Mosaic GPU interpret mode)."""
+    """Whether the default device, where it is a GPU, runs the Mosaic GPU kernels: sm_90 (TMA +
+    wgmma). Off a GPU (lowering for CUDA, interpret mode) the target is taken to be Hopper, as
+    for `sm_count`."""
     device = jax.devices()[0]
-    return device.platform == "cpu" or getattr(device, "compute_capability", None) == "9.0"
+    return device.platform != "gpu" or getattr(device, "compute_capability", None) == "9.0"
 
 
 def sm_count() -> int:

@@ -1,4 +1,5 @@
-"""Fused attention of C new queries over the mixed OSCAR cache (DESIGN §1.3, §3).
+"""Fused attention of C new queries over the mixed OSCAR cache (docs/method.md, "Attention
+over the mixed cache" and "Kernel arithmetic").
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,7 @@ class BlockSizes:
 
         Decode (<= 16 rows) reads 128 packed rows (512 tokens) per step with a 3-stage
         pipeline at D = 128, and 64 rows, 2 stages at D = 64 and 256 (the faster settings
-        in same-run A/Bs on the H200, docs/gpu_kernels.md); extend takes 32-row query
+        in same-run A/Bs on Hopper, docs/gpu_kernels.md); extend takes 32-row query
         blocks and 32 packed rows, which keeps Triton's shared memory under the limit.
         """
         if query_rows <= 16:
@@ -244,7 +244,7 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
 
             def meta(ref, gi):
                 """f32 [BM, BR]: the metadata of token tpb * r + (the row's slice), from one
-                contiguous [BR] load per slice (a [BM, BR] gather was slower on the H200)."""
+                contiguous [BR] load per slice (faster than a [BM, BR] gather)."""
                 tile = None
                 for s in range(tpb):
                     v = plgpu.load(ref.at[b, h, jnp.int32(gi), jnp.int32(s), pl.ds(r0, br)],
@@ -328,18 +328,17 @@ def _default_splits(programs: int, hist_rows: int, blocks: BlockSizes) -> int:
     return max(1, min(most, -(-blocks.target_programs // max(programs, 1))))
 
 
-def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
-                    hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int, window: int,
+def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool = False, block_sizes: BlockSizes | None = None):
     """Attention of C new queries over one layer's mixed cache (plain arrays, rotated basis).
 
-    q_rot: f32 [B, C, Hq, D] (already multiplied by R_K); sink_k/v: bf16 [B, Hkv, S0, D];
-    hist_codes_k: uint8 [B, Hkv, T_hist/tpb, D]; hist_codes_v: uint8 [B, Hkv, D, T_hist/tpb]
-    (channel-major); hist_lo/scale_k/v: [B, Hkv, D/G, tpb, T_hist/tpb] (bf16 or f32); recent_k/v: bf16 [B, Hkv, W, D]; lengths: int32 [B] tokens
-    held, the C queries being the newest. Returns (o_rot f32 [B, C, Hq, D] in the R_V
-    basis, lse f32 [B, C, Hq]).
+    q_rot: f32 [B, C, Hq, D] (already multiplied by R_K); cache: `layout.CacheArrays` (metadata
+    bf16 or f32), lengths counting the C queries as the newest tokens. Returns (o_rot f32
+    [B, C, Hq, D] in the R_V basis, lse f32 [B, C, Hq]).
     """
+    (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
+     recent_k, recent_v, lengths) = cache
     b, c, hq, d = q_rot.shape
     hkv = sink_k.shape[1]
     tpb = 8 // bits

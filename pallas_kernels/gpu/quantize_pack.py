@@ -2,7 +2,7 @@
 
 Pallas kernel with Triton lowering (GPU); `interpret=True` runs it on CPU.
 It computes what `quant.pack(quant.quantize(bf16(x @ R), cfg, clip))` computes
-(DESIGN §1.2, the layout of `layout.py`) in one pass over x. One program per
+(docs/method.md, "The quantiser"; the layout of `layout.py`) in one pass over x. One program per
 (batch row, KV head, run of `loop` blocks) walks its blocks, holding the head's rotation
 when it is one tile (D <= 128, one group); a block is `tpb * block_rows` consecutive
 tokens, loaded as one tile and
@@ -32,7 +32,7 @@ _MAX_CHUNK = 128
 class BlockSizes:
     """block_rows: packed rows per block (tokens_per_byte * block_rows tokens, the M of
     the rotation product); loop: blocks per program (the rotation is loaded once for them;
-    > 1 at D > 128 exceeds the H200's shared memory, Triton's pipelining buffers the
+    > 1 at D > 128 exceeds Hopper's shared memory, Triton's pipelining buffers the
     per-group rotation tiles of every block)."""
 
     block_rows: int = 16
@@ -48,7 +48,7 @@ class BlockSizes:
 
     @classmethod
     def default(cls, head_dim: int, group_size: int) -> "BlockSizes":
-        """Fastest measured on the H200 (GPU time, `bench/results/kernels_write_sweep_h200.json`):
+        """The fastest of a sweep on Hopper (GPU time, `bench/kernels.py`'s `tune_write`):
         one group per token at D <= 128 loops over blocks with the rotation held; several
         groups, or D = 256, take one block per program."""
         if group_size < head_dim or head_dim > 128:

@@ -2,10 +2,12 @@
 contract for one group per token (G = D in {64, 128}), uniform 2-bit codes and bf16
 metadata, the cache's default.
 
-A block of the grid is one (batch row, KV head) and a run of `blocks_per_program` 64-token
-blocks, shared by `warpgroups` warpgroups (block k of the run goes to warpgroup k % wgs), so
+A block of the grid is one (batch row, KV head) and a run of `Config.blocks_per_program`
+64-token blocks, shared by `Config.warpgroups` warpgroups (block k of the run goes to
+warpgroup k % wgs), so
 the head's rotation is moved into shared memory once, by TMA, for all of them. Each
-warpgroup streams its x tiles [64, D] (bf16, one TMA each, `buffers` deep) and per block:
+warpgroup streams its x tiles [64, D] (bf16, one TMA each, `Config.buffers` deep) and per
+block:
 
   acc [64, D] = x @ R_hi + x @ R_lo           two bf16 wgmma into one f32 accumulator
                                               (R = R_hi + R_lo: ~16 bits, as the Triton kernel)
@@ -18,39 +20,40 @@ The packing never leaves registers: in the WGMMA layout the four tokens of a byt
 rows held by lanes l, l ^ 4, l ^ 8, l ^ 12 (the same register), so each thread ORs its
 shifted codes, four to a 32-bit word, and two butterfly shuffles combine the lanes; one
 more shuffle with a neighbour and a byte permute (prmt) make each lane's word four bytes in
-a row of the layout, stored as one 32-bit word (`_store_codes`). The
+a row of the layout, stored as one 32-bit word (`mgpu_helpers.store_codes`). The
 16 packed rows [16, D] (K, token-major) or their transpose [D, 16] (V, channel-major) and
 the block's lo / scale [4, 16] (token 4 i + s at [s, i]) go to shared memory and out by TMA.
 
 Semantics are `quant.quantize` with the uniform codebook on the bf16 product of the split
 rotation, as the Triton kernel, the NaN rules included: a token whose max, min, lo or scale
 is not finite, or whose scale is 0, gets codes 0 (max and min propagate NaN), applied as a
-per-token mask of the code bits rather than a select per element (H200, B8 32K, run 3 of
-`bench/results/kernels_write_session12_h200.json`: without the select 0.298 against 0.310
-ms). The quotient is a division per element: one multiply by the token's reciprocal took
-0.310 against 0.318 ms in the same run, but bf16 lo and scale put many values exactly on a
-rounding boundary, where it changes the code. Tokens past x's end are zeros (the blocks that
+per-token mask of the code bits (faster than a select per element). The quotient is a
+division per element: a multiply by the token's reciprocal would be faster, but bf16 lo and
+scale put many values exactly on a rounding boundary, where it changes the code. Tokens
+past x's end are zeros (the blocks that
 reach past it mask them); x's token count is padded to a multiple of 8 if it is not one (the
 TMA window's tiling needs it; a copy of x). In interpret mode (CPU) the packing and the
 metadata store are array ops and x is padded with NaN to its last block (the interpreter
 clamps a window that runs past the end, where TMA fills zeros; the NaN shows a failed mask).
+Interpreted, each warpgroup also loads its own copy of the rotation: the interpreter runs a
+block's warpgroups as jitted programs on XLA:CPU's execution threads (as many as cores), and a
+warpgroup blocked in a barrier wait holds its thread, so warpgroups that wait for warpgroup
+0's copy could leave it no thread to run on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm
 
 from . import hopper
+from .mgpu_helpers import store_codes, store_meta
 from .quantize_pack import split_rotation
 
 _TOKENS = 64  # tokens per block: one m64 MMA
@@ -59,105 +62,6 @@ _ROWS = _TOKENS // _TPB  # packed rows per block
 _TOP = 3.0  # the largest uniform 2-bit level
 _ROUND = 12582912.0  # 1.5 * 2^23: u + _ROUND holds round-half-even(u) in its low bits
 _META = 2  # lo, scale
-
-
-def _store_codes(v: jax.Array, mask: jax.Array, ref, *, channel_major: bool, interpret: bool) -> None:
-    """v f32 [64, D] (WGMMA layout): u + _ROUND per element, and mask int32 [64] (row layout):
-    3, or 0 for a token whose codes are all 0 -> the block's packed codes, code = (bits of v)
-    & mask, in ref uint8 [16, D] (token-major) or [D, 16] (channel-major)."""
-    d = v.shape[1]
-    if interpret:
-        code = lax.bitcast_convert_type(v, jnp.int32) & mask[:, None]
-        shift = 2 * (jnp.arange(_TOKENS, dtype=jnp.int32) % _TPB)[:, None]
-        packed = jnp.sum((code << shift).reshape(_ROWS, _TPB, d), axis=1).astype(jnp.uint8)
-        ref[...] = packed.T if channel_major else packed
-        return
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
-    def store(ctx, array, mask, out):
-        del ctx
-        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-        const = lambda x: arith.constant(i32, x)
-        base = mgpu.utils.memref_ptr(out)
-        regs = array.registers  # [1, D/8, 1, 1, 2 row halves, 1, 1, 1, 1] of vector<2xf32>
-        where = dict(zip(np.ndindex(regs.shape), array.layout.thread_idxs(array.shape)))
-        # This lane's rows are 16 w + l // 4 (+ 8): token slot s = (l // 4) % 4 of byte rows
-        # i0 = 4 w + l // 16 and i0 + 2; its columns 8 j + 2 (l % 4) + {0, 1}.
-        row0, col0 = (arith.index_castui(i32, x) for x in where[(0, 0, 0, 0, 0, 0, 0, 0, 0)])
-        slot = arith.andi(row0, const(_TPB - 1))
-        shift = arith.muli(slot, const(2))
-        i0 = arith.shrui(row0, const(2))
-        masks = [llvm.extractelement(mask.registers[0, 0, half, 0, 0], const(0)) for half in range(2)]
-        words = []
-        for j in range(d // 8):
-            word = None
-            for half in range(2):
-                reg = regs[0, j, 0, 0, half, 0, 0, 0, 0]
-                for e in range(2):
-                    bits = arith.bitcast(i32, llvm.extractelement(reg, const(e)))
-                    byte = arith.shli(arith.andi(bits, masks[half]), shift)
-                    byte = arith.shli(byte, const(8 * (2 * half + e)))
-                    word = byte if word is None else arith.ori(word, byte)
-            for distance in (4, 8):  # the other three token slots of these byte rows
-                word = arith.ori(word, mgpu.utils.shfl_bfly(word, distance))
-            words.append(word)
-        # The four lanes of a byte row now hold the same words: lane slot s takes j = 4 k + s.
-        # Its word's bytes are (row i0, column c), (i0, c + 1), (i0 + 2, c), (i0 + 2, c + 1);
-        # one more shuffle with a neighbour and a byte permute (prmt, selectors with the
-        # first operand's bytes 0-3 and the second's 4-7) make it 4 bytes in a row of the
-        # layout, stored as one 32-bit word:
-        #   V (channel-major): lanes l, l ^ 16 hold rows i0 = 4 w + {0, 1}; the first stores
-        #   column c, rows 4 w .. 4 w + 3, the second column c + 1;
-        #   K (token-major): lanes l, l ^ 1 hold columns c = 4 m + {0, 2}; the first stores
-        #   row i0, columns 4 m .. 4 m + 3, the second row i0 + 2.
-        if channel_major:
-            partner_distance, second = 16, arith.andi(i0, const(1))
-            selectors = (0x6240, 0x3715)
-        else:
-            partner_distance, second = 1, arith.andi(arith.shrui(col0, const(1)), const(1))
-            selectors = (0x5410, 0x3276)
-        is_second = arith.cmpi(arith.CmpIPredicate.ne, second, const(0))
-        selector = arith.select(is_second, const(selectors[1]), const(selectors[0]))
-        for k in range(len(words) // 4):
-            word = words[4 * k]
-            for s in range(1, 4):
-                word = arith.select(arith.cmpi(arith.CmpIPredicate.eq, slot, const(s)), words[4 * k + s], word)
-            value = mgpu.utils.prmt(word, mgpu.utils.shfl_bfly(word, partner_distance), selector)
-            col = arith.addi(arith.addi(col0, const(32 * k)), arith.muli(slot, const(8)))
-            if channel_major:  # byte (c, i) at c * 16 + i: column c + second, rows from 4 w
-                at = arith.addi(arith.muli(arith.addi(col, second), const(_ROWS)), arith.subi(i0, second))
-            else:  # byte (i, c) at i * D + c: row i0 + 2 second, columns from 4 m
-                at = arith.addi(arith.muli(arith.addi(i0, arith.muli(second, const(2))), const(d)),
-                                arith.subi(col, arith.muli(second, const(2))))
-            llvm.store(value, mgpu.utils.getelementptr(base, [at], i8))
-
-    store(v, mask, ref)
-
-
-def _store_meta(lo: jax.Array, scale: jax.Array, ref, *, interpret: bool) -> None:
-    """lo, scale bf16 [64] (one per token, WGMMA row layout) -> ref bf16 [2, 4, 16]: token
-    4 i + s at [kind, s, i], the packed metadata layout."""
-    if interpret:
-        for kind, x in enumerate((lo, scale)):
-            ref[kind] = x.reshape(_ROWS, _TPB).T
-        return
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(1), plgpu.RefType()))
-    def store(ctx, lo_arr, scale_arr, out):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        bf16 = ir.BF16Type.get()
-        const = lambda x: arith.constant(i32, x)
-        base = mgpu.utils.memref_ptr(out)
-        for kind, arr in enumerate((lo_arr, scale_arr)):
-            for idx, (row,) in zip(np.ndindex(arr.registers.shape), arr.layout.thread_idxs(arr.shape)):
-                row = arith.index_castui(i32, row)
-                at = arith.addi(arith.muli(arith.andi(row, const(_TPB - 1)), const(_ROWS)), arith.shrui(row, const(2)))
-                at = arith.addi(at, const(kind * _TPB * _ROWS))
-                value = llvm.extractelement(arr.registers[idx], const(0))
-                llvm.store(value, mgpu.utils.getelementptr(base, [at], bf16))  # the 4 replicas agree
-
-    store(lo, scale, ref)
 
 
 def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_ref, *, rot_smem, x_smem,
@@ -175,10 +79,15 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
     x_bar = lambda slot: x_bars.at[wg * buffers + slot]
     clip = clip_ref[0]
 
-    @pl.when(wg == 0)
-    def _():
+    def load_rotation():
         plgpu.copy_gmem_to_smem(rot_hi_ref.at[h], rot_smem.at[0], rot_bar)
         plgpu.copy_gmem_to_smem(rot_lo_ref.at[h], rot_smem.at[1], rot_bar)
+
+    if interpret:  # each warpgroup its own copy: no warpgroup waits for another (module docstring)
+        rot_smem, rot_bar = rot_smem.at[wg], rot_bar.at[wg]
+        load_rotation()
+    else:
+        pl.when(wg == 0)(load_rotation)
 
     def issue(i, slot):
         t0 = start + _TOKENS * (first + warpgroups * i)
@@ -219,8 +128,8 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
         mask = jnp.where(ok, 3, 0).astype(jnp.int32)
         out = lax.rem(i, 2)  # staging buffer: step i - 2's copies must have read it
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        _store_codes(u, mask, code_smem.at[out], channel_major=channel_major, interpret=interpret)
-        _store_meta(lo, scale, meta_smem.at[out], interpret=interpret)
+        store_codes(u, mask, code_smem.at[out], channel_major=channel_major, interpret=interpret)
+        store_meta(lo, scale, meta_smem.at[out], interpret=interpret)
         plgpu.commit_smem()
         r0 = _ROWS * block
         dst = codes_ref.at[b, h, :, pl.ds(r0, _ROWS)] if channel_major else codes_ref.at[b, h, pl.ds(r0, _ROWS)]
@@ -234,6 +143,35 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
     plgpu.wait_smem_to_gmem(0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of the Mosaic GPU bulk write (`Config.default` picks them per device).
+
+    blocks_per_program: the most 64-token blocks per grid block (one rotation load for them),
+      fewer where that makes fewer than min_programs grid blocks;
+    min_programs: the SM count (every SM busy); 1 in interpret mode, which runs grid blocks
+      one after another;
+    warpgroups: warpgroups per block; buffers: x tiles in flight per warpgroup.
+    The defaults are the fastest settings measured for a [8, 32768, 8, 128] prompt.
+    """
+
+    blocks_per_program: int = 128
+    min_programs: int = hopper.H200_SMS
+    warpgroups: int = 3
+    buffers: int = 3
+
+    def __post_init__(self):
+        if self.warpgroups < 1 or self.buffers < 2 or self.blocks_per_program < 1 or self.min_programs < 1:
+            raise ValueError(f"Config(warpgroups={self.warpgroups}, buffers={self.buffers}, blocks_per_program="
+                             f"{self.blocks_per_program}, min_programs={self.min_programs}): expected >= 1, >= 2, "
+                             ">= 1 and >= 1")
+
+    @classmethod
+    def default(cls, *, interpret: bool = False) -> "Config":
+        """The defaults with min_programs the device's SM count (1 in interpret mode)."""
+        return cls(min_programs=1 if interpret else hopper.sm_count())
+
+
 def supports(spec) -> bool:
     """Cache configurations (a `CacheSpec`) this kernel writes: one group per token, D in
     {64, 128}, uniform 2-bit codes, bf16 metadata."""
@@ -245,19 +183,12 @@ def supports(spec) -> bool:
 
 def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_size: int,
                   span: float | None, scale_dtype, start: int = 0, count: int | None = None,
-                  channel_major: bool = False, interpret: bool = False,
-                  blocks_per_program: int = 128, min_programs: int | None = None, warpgroups: int = 3,
-                  buffers: int = 3):
+                  channel_major: bool = False, interpret: bool = False, config: Config | None = None):
     """`quantize_pack.quantize_pack`'s contract, restricted to `supports`: x bf16 [B, T,
     Hkv, D], rot f32 [Hkv, D, D], clip f32 [] -> codes uint8 [B, Hkv, count/4, D] (or [B,
     Hkv, D, count/4] when channel_major), lo and scale bf16 [B, Hkv, 1, 4, count/4]; count
-    a multiple of 4 (a last partial block is computed whole and cut).
-    blocks_per_program: the most 64-token blocks per grid block (one rotation load for them),
-    fewer where that makes fewer than min_programs grid blocks (None: the SM count, 1 in
-    interpret mode); warpgroups: warpgroups per block; buffers: x tiles in flight per
-    warpgroup. H200, B8 32K (`bench/results/kernels_write_session12_h200.json`): 128, 3 and
-    3 took 0.300-0.302 ms; with a select per element, 64 blocks 0.318, and then 2 warpgroups
-    (4 buffers) 0.331, 1 warpgroup 0.507."""
+    a multiple of 4 (a last partial block is computed whole and cut). config: `Config`, or
+    None for `Config.default`."""
     b, t, hkv, d = x.shape
     count = t - start if count is None else count
     if (bits != 2 or tuple(levels) != (0.0, 1.0, 2.0, 3.0) or span is not None or group_size != d
@@ -270,14 +201,10 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
                          f"multiple of tokens_per_byte={_TPB}")
     if rot.shape != (hkv, d, d):
         raise ValueError(f"rot.shape={rot.shape}: expected [Hkv={hkv}, D={d}, D={d}]")
-    if warpgroups < 1 or buffers < 2 or blocks_per_program < 1 or (min_programs or 1) < 1:
-        raise ValueError(f"warpgroups={warpgroups}, buffers={buffers}, blocks_per_program="
-                         f"{blocks_per_program}, min_programs={min_programs}: expected >= 1, >= 2, "
-                         ">= 1 and None or >= 1")
+    config = config or Config.default(interpret=interpret)
+    warpgroups, buffers = config.warpgroups, config.buffers
     n_blocks = -(-count // _TOKENS)  # the last block's rows past count/4 are cut off below
-    if min_programs is None:  # interpret mode runs grid blocks one after another: the fewest
-        min_programs = 1 if interpret else hopper.sm_count()
-    runs = min(n_blocks, max(-(-n_blocks // blocks_per_program), -(-min_programs // (b * hkv))))
+    runs = min(n_blocks, max(-(-n_blocks // config.blocks_per_program), -(-config.min_programs // (b * hkv))))
     per_program = -(-n_blocks // runs)
     runs = -(-n_blocks // per_program)
     x = x.astype(jnp.bfloat16)
@@ -297,11 +224,12 @@ def quantize_pack(x, rot, clip, *, bits: int, levels: tuple[float, ...], group_s
                           interpret=interpret),
         out_type=[jax.ShapeDtypeStruct(codes_shape, jnp.uint8), meta_shape, meta_shape],
         scratch_types=dict(
-            rot_smem=plgpu.SMEM((2, d, d), jnp.bfloat16, transforms=hopper.bf16_tiles(d)),
+            rot_smem=plgpu.SMEM((warpgroups, 2, d, d) if interpret else (2, d, d), jnp.bfloat16,
+                                transforms=hopper.bf16_tiles(d)),
             x_smem=plgpu.SMEM((warpgroups, buffers, _TOKENS, d), jnp.bfloat16, transforms=hopper.bf16_tiles(d)),
             code_smem=plgpu.SMEM(staging, jnp.uint8),
             meta_smem=plgpu.SMEM((warpgroups, 2, _META, _TPB, _ROWS), jnp.bfloat16),
-            rot_bar=plgpu.Barrier(num_arrivals=2),
+            rot_bar=plgpu.Barrier(num_arrivals=2, num_barriers=warpgroups if interpret else 1),
             x_bars=plgpu.Barrier(num_arrivals=1, num_barriers=warpgroups * buffers)),
         grid=(b * hkv, runs),
         grid_names=("pair", "run"),

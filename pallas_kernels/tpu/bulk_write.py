@@ -5,11 +5,11 @@ the prompt: each grid step reads a [tokens, Hkv*D] tile of the model-layout
 activations, and writes packed codes [Hkv, tokens/tpb, D] (keys) or
 [Hkv, D, tokens/tpb] (channel-major, values) and metadata
 [Hkv, D/G, tpb, tokens/tpb] in the layout of `layout.pack_codes` /
-`layout.pack_meta` (DESIGN §3). Token slice s of a byte row (tokens tpb*i + s)
+`layout.pack_meta` (docs/ARCHITECTURE.md, "The cache format"). Token slice s of a byte row (tokens tpb*i + s)
 is read with a strided sublane load, so packing is a shift-and-OR of tpb
 quantised slices and never needs a cross-sublane shuffle.
 
-The quantiser is the one of `oscar_jax.quant.quantize` (DESIGN §1.2), written
+The quantiser is the one of `oscar_jax.quant.quantize` (docs/method.md, "The quantiser"), written
 with masked per-group lane reductions instead of a lane-splitting reshape;
 verified against `quant.pack(quant.quantize(x @ R))` in TPU interpret mode.
 """

@@ -7,7 +7,8 @@ Online-softmax state (running max, denominator, output) lives in VMEM scratch:
 step 0 initialises it and folds in the sink, every step folds in one history
 block, the last step folds in the recent ring and writes (o, lse).
 
-History scores use the integer trick of DESIGN §3, per group of G channels:
+History scores use the integer trick (docs/method.md, "Kernel arithmetic"), per group of
+G channels:
   q . x_hat = scale * (q . level[code]) + lo * sum(q)
 so the MXU multiplies the queries by small integer levels and the per-token
 scale/lo are applied to the [query rows, tokens] score tile; values likewise:
@@ -221,21 +222,20 @@ def _check(name, x, shape, dtype=None):
 
 @functools.partial(jax.jit, static_argnames=("sink", "window", "bits", "levels", "softmax_scale",
                                              "interpret", "config"))
-def mixed_attention(q_rot, sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k,
-                    hist_lo_v, hist_scale_v, recent_k, recent_v, lengths, *, sink: int,
+def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
                     window: int, bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool | pltpu.InterpretParams = False,
                     config: AttentionConfig = AttentionConfig()):
-    """Attention of C appended queries over one layer's mixed cache (DESIGN §1.3).
+    """Attention of C appended queries over one layer's mixed cache (docs/method.md,
+    "Attention over the mixed cache").
 
-    q_rot f32 [B, C, Hq, D] (rotated by R_K); sink_k/v bf16 [B, Hkv, S0, D];
-    hist_codes_k u8 [B, Hkv, R, D] (R = T_hist / tpb); hist_codes_v u8 [B, Hkv, D, R]
-    (channel-major); hist_lo/scale_k/v
-    [B, Hkv, D/G, tpb, R]; recent_k/v bf16 [B, Hkv, W, D]; lengths int32 [B]
-    (tokens held, the C queries included). Query head i uses KV head i // (Hq/Hkv).
+    q_rot f32 [B, C, Hq, D] (rotated by R_K); cache: `layout.CacheArrays` (R = T_hist / tpb
+    packed rows; lengths count the C queries). Query head i uses KV head i // (Hq/Hkv).
     Returns o f32 [B, C, Hq, D] in the R_V basis and lse f32 [B, C, Hq].
     `interpret`: False on TPU; True or an `InterpretParams` for TPU interpret mode.
     """
+    (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
+     recent_k, recent_v, lengths) = cache
     bsz, chunk, hq, d = q_rot.shape
     hkv = recent_k.shape[1]
     tpb = layout.tokens_per_byte(bits)
