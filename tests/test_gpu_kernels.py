@@ -632,7 +632,9 @@ def test_decode_finish_matches_a_direct_merge(d, g, cols, splits, rotate, interp
     poisoned = jnp.where(unused[..., None, None], jnp.nan, o_t)
     rot = jnp.asarray(np.linalg.qr(rng.standard_normal((hkv, d, d)))[0], jnp.float32)
     # D = 256: the counts inside a longer table, after 5 other entries (as the work line passes them)
-    table, at = (np.concatenate([rng.integers(0, 99, 5), counts.ravel()]).astype(np.int32), 5) if d == 256 else (counts, 0)
+    table, at = (counts, 0)
+    if d == 256:
+        table, at = np.concatenate([rng.integers(0, 99, 5), counts.ravel()]).astype(np.int32), 5
     finish = functools.partial(decode_finish.decode_finish, poisoned,
                                jnp.asarray(np.where(unused[..., None], np.nan, lse2)), jnp.asarray(table),
                                counts_at=at, cols=cols, g=g, interpret=interpret,
@@ -783,7 +785,8 @@ def test_mgpu_lowers_for_cuda(d, g, rotate):
     b, hkv, rows, sink, window = 8, 8, 8192, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
-    args = (sds((b, 1, hkv * g, d), bf if d == 128 else jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),
+    args = (sds((b, 1, hkv * g, d), bf if d == 128 else jnp.float32), sds((b, hkv, sink, d), bf),
+            sds((b, hkv, sink, d), bf),
             sds((b, hkv, rows, d), u8), sds((b, hkv, d, rows), u8),
             *[sds((b, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32))
