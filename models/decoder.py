@@ -2,12 +2,12 @@
 and Gemma 3, with config-driven variation (`ModelConfig`).
 
 Each layer owns its weight arrays (`Block`) and the forward runs the layers one after
-another. Two things make that the fast layout for serving (docs/ARCHITECTURE.md,
-"Serving"): every matmul reads its weight where it lies (a layer-stacked weight read
-through a slice inside `lax.scan` is copied first), and every layer's KV cache is its own
-buffer, appended to in place. Each layer is an inner `jax.jit` function, so JAX traces and
-lowers one layer of each kind once, whatever the depth. The KV cache is never module
-state: it is an explicit `KVState` argument and return value (see `kv_policy`).
+another. Two things make that the fast layout for serving (docs/serving.md §1): every
+matmul reads its weight where it lies (a layer-stacked weight read through a slice inside
+`lax.scan` is copied first), and every layer's KV cache is its own buffer, appended to in
+place. Each layer is an inner `jax.jit` function, so JAX traces and lowers one layer of
+each kind once, whatever the depth. The KV cache is never module state: it is an explicit
+`KVState` argument and return value (see `kv_policy`).
 
 Projection weights are stored as `x @ W` ([in, out]); norm weights as the effective
 multiplier (Gemma's `1 + w` already added). float32 weights multiply at HIGHEST precision
@@ -372,7 +372,7 @@ def forward_logits(model: Decoder, tokens: jax.Array, lengths: jax.Array | None 
 
 def fold_values(model: Decoder, policy) -> tuple[Decoder, object]:
     """(model, policy) -> the pair serving with R_Vᵀ folded into the full-attention layers'
-    output projections (docs/method.md, "Online"): attention then returns o_rot = o R_V and
+    output projections (docs/method.md §3.2): attention then returns o_rot = o R_V and
     skips its back-rotation (on the GPU kernel path `decode_finish` only merges). A policy without
     OSCAR-cache layers (not a `kv_policy.QuantPolicy`, or a model with no full-attention
     layer) comes back unchanged, as does a pair already folded; a pair folded on one side only

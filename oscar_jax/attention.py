@@ -1,6 +1,6 @@
-"""Public per-layer attention over the mixed cache, with backend dispatch (docs/method.md,
-"Attention over the mixed cache"; the kernel contract: docs/ARCHITECTURE.md, "Attention
-contract").
+"""Public per-layer attention over the mixed cache, with backend dispatch (docs/method.md §4,
+"Attention over the mixed cache"; the kernel contract: docs/ARCHITECTURE.md §5, "The kernel
+interface").
 
 `attend(q, layer_cache, layer_params, implementation=..., interpret=...)` takes the
 implementation names of `oscar_jax.dispatch` (shared with `write_prompt`):

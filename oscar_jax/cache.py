@@ -1,15 +1,15 @@
 """The mixed-precision KV state (docs/ARCHITECTURE.md §3) and its pure update functions.
 
-`OscarCache` holds one layer group (e.g. all global-attention layers). Every
-array leaf carries the same leading axes: `[L, ...]` for the layer-stacked
-cache a decoder scans over, none for the per-layer view that `append`,
-`write_prompt` and `attend` take (`cache.layer(i)`, or `lax.scan` slices it).
-Per sequence, positions [0, S0) are in the bf16 sink, the last W positions in
-the bf16 recent ring (slot (p - S0) % W), and positions [S0, n - W) in the
-quantised history (history index p - S0). All segments hold ROTATED keys and
-values (k @ R_K, v @ R_V); rotation happens once, when a token enters.
+`OscarCache` holds one layer's mixed cache, what `append`, `write_prompt` and
+`attend` take and what the models' KV state holds per layer (`init(spec,
+stacked=False)`), or a layer-stacked one whose every array leaf carries a leading
+`[L, ...]` (`init(spec)`, for layers run under `lax.scan`; `cache.layer(i)` or the
+scan's slice is one layer's). Per sequence, positions [0, S0) are in the bf16 sink,
+the last W positions in the bf16 recent ring (slot (p - S0) % W), and positions
+[S0, n - W) in the quantised history (history index p - S0). All segments hold
+ROTATED keys and values (k @ R_K, v @ R_V); rotation happens once, when a token enters.
 
-`RingCache` is the sliding-window layer group: a bf16 ring only.
+`RingCache` is a sliding-window layer's cache (or a stack of them): a bf16 ring only.
 """
 
 from __future__ import annotations
@@ -191,10 +191,10 @@ class OscarCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RingCache:
-    """Sliding-window layer group: k, v bf16 [L, B, Hkv, capacity, D] (position p in
-    slot p % capacity, unrotated); lengths int32 [L, B]. Queries attend to the last
-    `spec.window` positions; capacity - window + 1 bounds the extend chunk. A ring
-    never overflows: positions are unbounded."""
+    """Sliding-window layers' cache: k, v bf16 [L, B, Hkv, capacity, D] (no L for one
+    layer's; position p in slot p % capacity, unrotated); lengths int32 [L, B]. Queries
+    attend to the last `spec.window` positions; capacity - window + 1 bounds the extend
+    chunk. A ring never overflows: positions are unbounded."""
 
     k: jax.Array
     v: jax.Array

@@ -91,7 +91,8 @@ class QuantConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """Static shape of one layer group of the mixed cache (docs/ARCHITECTURE.md §3).
+    """Static shape of the mixed cache (docs/ARCHITECTURE.md §3): of `num_layers` layers
+    stacked (`OscarCache.init(spec)`), or of one layer (`init(spec, stacked=False)`).
 
     Positions [0, sink) live in the bf16 sink, the last `window` positions in
     the bf16 recent ring, and everything between in the quantised history of
@@ -146,7 +147,8 @@ class CacheSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RingSpec:
-    """Static shape of a sliding-window layer group: a bf16 ring of `capacity` slots.
+    """Static shape of a sliding-window layer's cache (`num_layers` of them when stacked):
+    a bf16 ring of `capacity` slots.
 
     Queries attend to the last `window` positions. With append-then-attend, an
     extend chunk of C tokens is exact while C <= capacity - window + 1, so

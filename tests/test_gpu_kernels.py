@@ -467,7 +467,7 @@ def _lower_for_h200(fn, args):
 # a pair (pieces of up to 4 steps at 1024 tokens); 32-1024 -> each pair in 2-4 pieces (3-5
 # partials with its sink and ring); 4096 tokens at 12 -> 4 programs of two pairs, the second
 # pair's sink and ring between their pieces, and pieces of up to 14 steps (a program reaches
-# into a second pair only more than `_SWITCH_COST` = 5 units into it: 16 tiles a pair here).
+# into a second pair only more than `Config.switch_cost` = 5 units into it: 16 tiles a pair here).
 MGPU_CASES = [
     (128, 4, 1024, 12), (128, 1, 1024, 64), (128, 3, 100, 8), (128, 8, 480, 48), (128, 4, 992, 1024),
     (64, 3, 1024, 10), (256, 4, 1024, 14), (256, 1, 480, 8), (64, 3, 4096, 12), (128, 4, 4096, 12)]

@@ -31,8 +31,8 @@ class Config:
       where the sink and ring's buffers overlay each warpgroup's own code buffers), else 3.
     target_programs: the work line is cut into at most about this many programs:
       warpgroups x SMs with several warpgroups, else 2 x SMs at D <= 128 and 1024 at D = 256.
-    dense_tile_cost: units of a 64-token bf16 block of the sink or ring (per-program
-      timelines, `bench/timeline.py --model`, fit a sink and ring of 5 blocks at ~6 units).
+    dense_tile_cost: units of a 64-token bf16 block of the sink or ring (a sink and ring of
+      5 blocks takes about as long as 6 history tiles).
     switch_cost: units a program that reaches into a second pair gives up (`WorkLine.cut`):
       the second piece's start (its q, its first tiles, an empty pipeline) and the first
       piece's store.
