@@ -207,6 +207,8 @@ def test_oscar_bench_cli_end_to_end(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_serving
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("name", ["bf16", "oscar"])
 def test_gpu_serving_path_matches_the_xla_path(name):
     """On the GPU, bf16 weights: the prefill with cuDNN's flash attention and the decode steps
