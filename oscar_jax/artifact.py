@@ -29,10 +29,12 @@ _ARRAY_NAMES = ("rot_k", "rot_v", "dual_k", "dual_v", "eigenvalues_k", "eigenval
 
 
 def fingerprint(obj) -> str:
-    """SHA-256 hex of a model config (dict or dataclass, canonical JSON), a text
-    (str), raw bytes, or a token-id array (its int64 bytes)."""
+    """SHA-256 hex of a model config (dict or dataclass, canonical JSON; a dataclass's fields
+    marked `metadata={"fingerprint": False}` are left out), a text (str), raw bytes, or a
+    token-id array (its int64 bytes)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = dataclasses.asdict(obj)
+        skip = {f.name for f in dataclasses.fields(obj) if f.metadata.get("fingerprint") is False}
+        obj = {k: v for k, v in dataclasses.asdict(obj).items() if k not in skip}
     if isinstance(obj, dict):
         data = json.dumps(obj, sort_keys=True, default=str).encode()
     elif isinstance(obj, str):
