@@ -38,8 +38,7 @@ def load_calibration(directory: Path, model_cfg, implementation: str = "auto"):
     from oscar_jax.config import QuantConfig
     from oscar_jax.models import kv_policy
 
-    params = artifact.load_layer_params(directory, model_cfg=model_cfg)
-    meta = artifact.read_metadata(directory)
+    params, meta = artifact.load_for_model(directory, model_cfg=model_cfg)
     return kv_policy.oscar_policy(params, quant=QuantConfig(**meta.quant), sink=meta.sink, window=meta.window,
                                   implementation=implementation)
 
