@@ -91,6 +91,9 @@ def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
+_NO_HASH = "no content hash"
+
+
 def _read_cache(cached: Path) -> tuple[dict[str, np.ndarray] | None, str]:
     """(the cached tensors, "") when `cached` reads back and matches its stored hash, else
     (None, why not)."""
@@ -103,7 +106,7 @@ def _read_cache(cached: Path) -> tuple[dict[str, np.ndarray] | None, str]:
     except Exception as e:  # safetensors raises SafetensorError, OSError, ... on a damaged file
         return None, f"unreadable: {type(e).__name__}: {e}"
     if digest is None:
-        return None, "no content hash"
+        return None, _NO_HASH
     if tensors_digest(tensors) != digest:
         return None, "its tensors do not match the content hash stored with them"
     return tensors, ""
@@ -120,7 +123,8 @@ def dequantised_tensors(path: str | Path, *, use_cache: bool = True) -> dict[str
     """All tensors of a GGUF as float32 numpy arrays in numpy order ([rows, cols] = [out, in]).
 
     With `use_cache`, read from (or written to) the hashed cache file beside the other
-    derived files; a damaged cache file is rebuilt with a warning that names it."""
+    derived files; a damaged cache file is rebuilt with a warning that names it, one without
+    the hash (written by an older oscar-jax) quietly."""
     from safetensors.numpy import save_file
 
     cached = cached_file(path, ".f32.safetensors")
@@ -128,8 +132,9 @@ def dequantised_tensors(path: str | Path, *, use_cache: bool = True) -> dict[str
         tensors, why = _read_cache(cached)
         if tensors is not None:
             return tensors
-        warnings.warn(f"dequantised-weight cache {cached} is damaged ({why}); rebuilding it from {path}",
-                      stacklevel=2)
+        if why != _NO_HASH:  # an older cache file without the hash is rebuilt quietly
+            warnings.warn(f"dequantised-weight cache {cached} is damaged ({why}); rebuilding it from {path}",
+                          stacklevel=2)
     gguf = import_gguf()
     reader = open_gguf(path)
     try:

@@ -3,6 +3,7 @@ dequantised-weight cache (hashed: a damaged cache file is rebuilt, never served)
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -67,9 +68,9 @@ def _cache_file(gguf_file):
 
 @pytest.mark.parametrize("damage", ["nan", "flip_byte", "truncate", "no_hash"])
 def test_damaged_weight_cache_is_rebuilt(gguf_file, damage):
-    """The cache file holds a hash of its tensors: one NaN written into it, a flipped byte, a
-    truncated file or a file without the hash is rebuilt from the GGUF with a warning naming
-    it, and the weights served are the GGUF's."""
+    """The cache file holds a hash of its tensors: one NaN written into it, a flipped byte or
+    a truncated file is rebuilt from the GGUF with a warning naming it, a file without the
+    hash (an older format) quietly; the weights served are the GGUF's."""
     want = gguf_loader.dequantised_tensors(gguf_file)
     cached = _cache_file(gguf_file)
     with safe_open(str(cached), "numpy") as f:
@@ -87,8 +88,16 @@ def test_damaged_weight_cache_is_rebuilt(gguf_file, damage):
         else:
             data = data[: len(data) // 2]
         cached.write_bytes(bytes(data))
-    with pytest.warns(UserWarning, match=rf"dequantised-weight cache {cached} is damaged"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got = gguf_loader.dequantised_tensors(gguf_file)
+    messages = [str(w.message) for w in caught]
+    if damage == "no_hash":
+        assert not messages
+    else:
+        assert any(m.startswith(f"dequantised-weight cache {cached} is damaged") for m in messages), messages
+    with safe_open(str(cached), "numpy") as f:  # rewritten with its hash
+        assert f.metadata()["sha256"] == gguf_loader.tensors_digest(want)
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
