@@ -22,19 +22,16 @@ import typer
 from oscar_jax import artifact
 from oscar_jax import calibrate as cal
 from oscar_jax.config import QuantConfig
-from oscar_jax.models import corpus
+from oscar_jax.models import cli, corpus
 from oscar_jax.models.cli import app, console
 from oscar_jax.models.decoder import Decoder
 
 def calibration_text(source: str) -> str:
     """'shakespeare' (the calibration split of `models.corpus`: no evaluation play) or a
-    UTF-8 text file's path -> its text."""
+    UTF-8 text file's path -> its text (`corpus.read_text_file`)."""
     if source == "shakespeare":
         return corpus.shakespeare_text("calibration")[0]
-    path = Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"--text {source!r}: expected 'shakespeare' or a text file")
-    return path.read_text(encoding="utf-8")
+    return corpus.read_text_file(source)
 
 
 def full_layers(model_cfg) -> tuple[int, ...]:
@@ -159,28 +156,50 @@ def calibrate(
     compare: str = typer.Option("", help="comma-separated variants whose held-aside logit error to print"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
 ):
-    """Calibrate OSCAR rotations and clip ratios for a model and write the artifact."""
+    """Calibrate OSCAR rotations and clip ratios for a model and write the artifact.
+    Every argument and the output path are checked before the first forward."""
     from rich.progress import Progress
     from rich.table import Table
 
-    from oscar_jax.models import registry
-
+    cli.check_writable(out, "--out", directory=True)
+    if clips not in ("fit", "fixed"):
+        cli.fail(f"--clips {clips!r}: expected 'fit' or 'fixed'")
+    for option, value, check in (
+            ("--value-weighting", value_weighting, lambda: cal.CalibConfig(value_weighting, sample_tokens)),
+            ("--rotation-k", rotation_k, lambda: cal.RotationSpec.parse(rotation_k)),
+            ("--rotation-v", rotation_v, lambda: cal.RotationSpec.parse(rotation_v)),
+            ("--compare", compare,
+             lambda: [cal.RotationSpec.parse(n.strip()) for n in compare.split(",")] if compare else []),
+            ("--group-size", group_size, lambda: QuantConfig(group_size=group_size))):
+        try:
+            check()
+        except ValueError as e:
+            cli.fail(f"{option} {value!r}: {e}")
+    quant_cfg = QuantConfig(group_size=group_size)
+    calib_cfg = cal.CalibConfig(value_weighting, sample_tokens)
+    cfg = cli.model_config(model)
+    if cfg.head_dim % (group_size or cfg.head_dim):
+        cli.fail(f"--group-size {group_size} does not divide the model's head dim {cfg.head_dim}")
+    if not full_layers(cfg):
+        cli.fail(f"--model {model} has no full-attention layer to calibrate")
+    cli.check_context(cfg, seq_len, "a forward window (--seq-len)")
+    if tokens < seq_len:
+        cli.fail(f"--tokens {tokens} is less than one --seq-len {seq_len} window")
+    held_windows = 2 if compare else 1
+    if heldout_tokens < held_windows * seq_len:
+        cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
+                 f"window(s){' (--compare fits on one, measures on another)' if compare else ''}")
     try:
         source = calibration_text(text)
-        quant_cfg = QuantConfig(group_size=group_size)
-        calib_cfg = cal.CalibConfig(value_weighting, sample_tokens)
-        cal.RotationSpec.parse(rotation_k), cal.RotationSpec.parse(rotation_v)
-        decoder, tokenizer = registry.load(model)
-    except registry.ModelNotInstalled as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1)
-    except (ValueError, FileNotFoundError) as e:
-        raise typer.BadParameter(str(e)) from None
+    except (ValueError, OSError) as e:
+        cli.fail(f"--text {text}: {e}")
+    decoder, tokenizer = cli.load_model(model)
+    if tokenizer is None:
+        cli.fail(f"--model {model}: no tokenizer found to encode --text")
     calib_cfg = dataclasses.replace(calib_cfg, softmax_scale=decoder.cfg.softmax_scale)
     ids = np.asarray(tokenizer.encode(source)[: tokens + heldout_tokens], np.int32)
     if len(ids) < tokens + heldout_tokens:
-        raise typer.BadParameter(f"the text has {len(ids)} tokens; need --tokens + --heldout-tokens "
-                                 f"= {tokens + heldout_tokens}")
+        cli.fail(f"--text {text} has {len(ids)} tokens; need --tokens + --heldout-tokens = {tokens + heldout_tokens}")
     with Progress(console=console) as bar:
         task = bar.add_task("calibration forwards", total=tokens)
         run = collect(decoder, ids[:tokens], ids[tokens:], seq_len=seq_len, config=calib_cfg,
@@ -190,9 +209,12 @@ def calibrate(
     result = cal.calibrate(run.stats, run.heldout, rotation_k=rotation_k, rotation_v=rotation_v,
                            quant_cfg=quant_cfg, clips=clips, grid=grid, center_keys=center_keys)
     fit_s = time.perf_counter() - t0
-    meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
-                         corpus_hash=artifact.fingerprint(ids), layers=run.layers,
-                         sink=sink, window=window)
+    try:
+        meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
+                             corpus_hash=artifact.fingerprint(ids), layers=run.layers,
+                             sink=sink, window=window)
+    except ValueError as e:
+        cli.fail(f"--out {out}: {e}")
     spread_k, spread_v = eigen_spread(run.stats)
     table = Table(title=f"oscar calibrate {model}: {run.stats.tokens} tokens, {meta.rotation_k}/"
                         f"{meta.rotation_v}, {value_weighting}, clips {clips}")

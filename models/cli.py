@@ -3,13 +3,20 @@
 Other modules add commands to the same app with one line in COMMAND_MODULES:
 each such module does `from oscar_jax.models.cli import app` and decorates its
 functions with `@app.command()`; `main()` imports them before running.
+
+A bad argument is a usage error: one line `error: ...` naming the option on stderr and
+exit code 2 (`fail`), found before any model work where the model's config suffices
+(`model_config` reads it without the weights); a missing model package exits 1 with
+the line that installs it.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
@@ -29,6 +36,107 @@ COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.m
                                      "oscar_jax.models.needle", "oscar_jax.models.bench")
 
 
+def fail(message: str) -> NoReturn:
+    """A usage error: `error: message` as one line on stderr, then exit code 2."""
+    typer.echo("error: " + " ".join(str(message).split()), err=True)
+    raise typer.Exit(2)
+
+
+def _missing_package(e) -> NoReturn:
+    console.print(f"[red]{e}[/red]")
+    raise typer.Exit(1)
+
+
+def model_config(model: str, *, random_weights: bool = False):
+    """The `ModelConfig` of --model (a name, .gguf file or HF directory) without its weights."""
+    from oscar_jax.models import registry
+
+    try:
+        if random_weights and model in registry.MODELS:
+            return registry.architecture(model)
+        if model not in registry.MODELS and not Path(model).exists():
+            raise FileNotFoundError(f"no such file or directory; expected one of {sorted(registry.MODELS)}, "
+                                    f"a .gguf file or an HF checkpoint directory")
+        return registry.load_config(model)
+    except registry.ModelNotInstalled as e:
+        _missing_package(e)
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"--model {model}: {e}")
+
+
+def load_model(model: str, **kwargs):
+    """(decoder, tokenizer) of --model (`registry.load`), its errors as `fail` / exit 1."""
+    from oscar_jax.models import registry
+
+    try:
+        return registry.load(model, **kwargs)
+    except registry.ModelNotInstalled as e:
+        _missing_package(e)
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"--model {model}: {e}")
+
+
+def check_context(cfg, total: int, what: str) -> None:
+    """`fail` when `total` positions pass the model's context length (`ModelConfig.check_context`)."""
+    try:
+        cfg.check_context(total, what)
+    except ValueError as e:
+        fail(str(e))
+
+
+def check_implementation(implementation: str) -> None:
+    """`fail` unless --implementation names an `attend` implementation or "auto"."""
+    from oscar_jax import attention
+
+    names = ("auto",) + attention.available()
+    if implementation not in names:
+        fail(f"--implementation {implementation!r}: expected one of {', '.join(names)}")
+
+
+def schemes(kv: str, known) -> list[str]:
+    """--kv's comma-separated names, each one of `known`."""
+    names = [s.strip() for s in kv.split(",") if s.strip()]
+    unknown = [s for s in names if s not in known]
+    if unknown or not names:
+        fail(f"--kv {kv!r}: expected comma-separated names from {', '.join(known)}")
+    return names
+
+
+def check_writable(path: Path | None, option: str, *, directory: bool = False) -> None:
+    """`fail` unless `path` (a file to write, or with `directory` a new directory to create)
+    can be written: a new directory must not exist yet, a file must not be a directory, and
+    its nearest existing ancestor must take a new file (probed)."""
+    if path is None:
+        return
+    path = Path(path).absolute()
+    if directory and path.exists():
+        fail(f"{option} {path} already exists; artifacts are never overwritten")
+    if not directory and path.is_dir():
+        fail(f"{option} {path} is a directory; expected a file path")
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        fail(f"{option} {path}: {ancestor} is not a directory")
+    try:
+        if path.is_file():
+            open(path, "ab").close()
+        else:
+            tempfile.TemporaryFile(dir=ancestor).close()
+    except OSError as e:
+        fail(f"{option} {path}: cannot write there ({e.strerror or e})")
+
+
+def read_text(source: str) -> str:
+    """The text of the UTF-8 file given as --text (`corpus.read_text_file`), or `fail` naming it."""
+    from oscar_jax.models import corpus
+
+    try:
+        return corpus.read_text_file(source)
+    except (ValueError, OSError) as e:
+        fail(f"--text {source}: {e}")
+
+
 def load_calibration(directory: Path, model_cfg, implementation: str = "auto"):
     """The calibrated OSCAR policy (`kv_policy.QuantPolicy`) of an artifact directory
     (`oscar_jax.artifact`): its rotations and clips for the model's full-attention
@@ -38,8 +146,7 @@ def load_calibration(directory: Path, model_cfg, implementation: str = "auto"):
     from oscar_jax.config import QuantConfig
     from oscar_jax.models import kv_policy
 
-    params = artifact.load_layer_params(directory, model_cfg=model_cfg)
-    meta = artifact.read_metadata(directory)
+    params, meta = artifact.load_for_model(directory, model_cfg=model_cfg)
     return kv_policy.oscar_policy(params, quant=QuantConfig(**meta.quant), sink=meta.sink, window=meta.window,
                                   implementation=implementation)
 
@@ -64,32 +171,40 @@ def generate(
     import jax
     import jax.numpy as jnp
 
-    from oscar_jax.models import generate as gen, kv_policy, registry
+    from oscar_jax.models import generate as gen, kv_policy
     from oscar_jax.models.decoder import fold_values as fold
 
     if dtype not in ("float32", "bfloat16"):
-        raise typer.BadParameter(f"--dtype {dtype!r}: expected float32 or bfloat16")
-    try:
-        decoder, tokenizer = registry.load(model, dtype=jnp.dtype(dtype), random_weights=random_weights, seed=seed)
-    except registry.ModelNotInstalled as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1)
+        fail(f"--dtype {dtype!r}: expected float32 or bfloat16")
+    if not prompt:
+        fail("--prompt is empty: expected the text to continue")
+    check_implementation(implementation)
     if rotations and kv != "oscar":
-        raise typer.BadParameter(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
-    try:
-        policy = (load_calibration(rotations, decoder.cfg, implementation) if rotations
-                  else kv_policy.make_policy(kv, implementation=implementation))
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    if fold_values:
+        fail(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
+    cfg = model_config(model, random_weights=random_weights)
+    check_context(cfg, max_new_tokens + 1, f"--max-new-tokens {max_new_tokens} + a prompt token")
+    if rotations:
         try:
-            decoder, policy = fold(decoder, policy)
+            policy = load_calibration(rotations, cfg, implementation)
         except ValueError as e:
-            raise typer.BadParameter(f"{e} (--no-fold-values serves it unfolded)") from None
+            fail(f"--rotations {rotations}: {e}")
+    else:
+        try:
+            policy = kv_policy.make_policy(kv, implementation=implementation)
+        except ValueError:
+            fail(f"--kv {kv!r}: expected one of {', '.join(kv_policy.POLICIES)}")
+    decoder, tokenizer = load_model(model, dtype=jnp.dtype(dtype), random_weights=random_weights, seed=seed)
     if tokenizer is None:  # random weights without a tokenizer: UTF-8 bytes as ids
         ids = [b % decoder.cfg.vocab_size for b in prompt.encode()]
     else:
         ids = tokenizer.encode(prompt)
+    check_context(decoder.cfg, len(ids) + max_new_tokens,
+                  f"--prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens}")
+    if fold_values:
+        try:
+            decoder, policy = fold(decoder, policy)
+        except ValueError as e:
+            fail(f"{e} (--no-fold-values serves it unfolded)")
     out = gen.generate(decoder, policy, [ids], max_new_tokens=max_new_tokens,
                        sampling=gen.Sampling(temperature, top_p), key=jax.random.key(seed))
     new = out.tokens[0]

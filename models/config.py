@@ -53,6 +53,9 @@ class ModelConfig:
     layer_types: per layer, "full_attention" or "sliding_attention" (the latter
       attends to the last `sliding_window` positions, itself included).
     rope_theta / rope_local_theta: RoPE bases of full / sliding layers.
+    max_position: the context length the model was trained for (HF `max_position_embeddings`,
+      GGUF `<arch>.context_length`; None: not recorded, no limit). It does not change what the
+      model computes, so calibration fingerprints leave it out (`artifact.fingerprint`).
     norm weights are always stored as the effective multiplier (Gemma's 1 + w).
     """
 
@@ -81,6 +84,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_model_type: str = "llama"
+    max_position: int | None = dataclasses.field(default=None, metadata={"fingerprint": False})
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -98,6 +102,16 @@ class ModelConfig:
             raise ValueError("ModelConfig.sliding_window must be set when a layer is sliding_attention")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim}: RoPE needs an even head dim")
+        if self.max_position is not None and (not isinstance(self.max_position, int) or self.max_position <= 0):
+            raise ValueError(f"ModelConfig.max_position={self.max_position!r}: expected a positive int or None")
+
+    def check_context(self, total: int, what: str = "prompt + new tokens") -> None:
+        """Raise ValueError when `total` positions (prompt + new tokens) pass the model's
+        context length `max_position` (None: no limit). what: the option(s) or arguments that
+        set the total, named in the message."""
+        if self.max_position is not None and total > self.max_position:
+            raise ValueError(f"{what} = {total} tokens exceeds the model's context length of "
+                             f"{self.max_position} positions")
 
     @property
     def softmax_scale(self) -> float:
@@ -204,6 +218,7 @@ class ModelConfig:
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos,
             hf_model_type=mt,
+            max_position=int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,
         )
 
     @classmethod
@@ -253,6 +268,7 @@ class ModelConfig:
             bos_token_id=meta("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             hf_model_type="gemma3_text" if gemma else "llama",
+            max_position=int(a("context_length")) if a("context_length") else None,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -270,6 +286,8 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
             "torch_dtype": "float32",
         }
+        if self.max_position is not None:
+            c["max_position_embeddings"] = self.max_position
         if self.rope_scaling is not None:
             s = self.rope_scaling
             c["rope_scaling"] = {"rope_type": s.kind, "factor": s.factor}

@@ -29,13 +29,14 @@ from oscar_jax import artifact
 from oscar_jax import cache as oc
 from oscar_jax import rotation
 from oscar_jax.config import QuantConfig
-from oscar_jax.models import corpus, kv_policy, registry
+from oscar_jax.models import cli, corpus, kv_policy
 from oscar_jax.models import results as results_io
 from oscar_jax.models import generate as gen
 from oscar_jax.models.cli import app, console, load_calibration
 from oscar_jax.models.decoder import Decoder, forward_logits
 
 FIXED_CLIPS = (0.96, 0.92)  # the reference's (K, V) clip ratios
+HELDOUT_TOKENS = 2048  # held aside for the clip fit when `oscar eval` calibrates first
 # Scheme -> (needs a calibration?, description); see `scheme_policy`.
 SCHEMES = {
     "bf16": (False, "dense bf16 cache"),
@@ -268,35 +269,60 @@ def eval_command(
     implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
 ):
     """Perplexity, KL and top-1 agreement vs full precision, through the real cache."""
-    names = [s.strip() for s in kv.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SCHEMES]
-    if unknown:
-        raise typer.BadParameter(f"--kv {','.join(unknown)}: expected names from {', '.join(SCHEMES)}")
-    try:
-        decoder, tokenizer = registry.load(model)
-    except registry.ModelNotInstalled as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1)
+    names = cli.schemes(kv, SCHEMES)
+    cli.check_implementation(implementation)
+    if chunk >= context:
+        cli.fail(f"--chunk {chunk} must be smaller than --context {context}")
+    cli.check_writable(json_out, "--json")
+    cli.check_writable(plot_out, "--plot")
+    cfg = cli.model_config(model)
+    cli.check_context(cfg, context, "an evaluation window (--context)")
+    calibrated = any(SCHEMES[n][0] for n in names)
+    served = None
+    if calibrated and rotations:
+        try:
+            served = load_calibration(rotations, cfg)
+            md = artifact.read_metadata(rotations)
+        except ValueError as e:
+            cli.fail(f"--rotations {rotations}: {e}")
+    if text not in ("shakespeare", "shakespeare-validation"):
+        file_text = cli.read_text(text)
+    decoder, tokenizer = cli.load_model(model)
     if tokenizer is None:
-        raise typer.BadParameter(f"--model {model}: no tokenizer found to encode --text")
+        cli.fail(f"--model {model}: no tokenizer found to encode --text")
     if text in ("shakespeare", "shakespeare-validation"):
         split = "evaluation" if text == "shakespeare" else "validation"
-        eval_text, eval_works = corpus.shakespeare_text(split)
-        calib_text, calib_works = corpus.shakespeare_text("calibration")
+        try:
+            eval_text, eval_works = corpus.shakespeare_text(split)
+            calib_text, calib_works = corpus.shakespeare_text("calibration")
+        except FileNotFoundError as e:
+            cli.fail(f"--text {text}: {e}")
         source = {"eval": f"shakespeare {split}: {', '.join(eval_works)}",
                   "calibration": f"shakespeare calibration: {', '.join(calib_works)}"}
         eval_ids = np.asarray(tokenizer.encode(eval_text), np.int32)
         calib_ids = np.asarray(tokenizer.encode(calib_text), np.int32)
+        after = ""
     else:  # one file: calibrate on its first tokens, evaluate on the rest
-        ids = np.asarray(tokenizer.encode(Path(text).read_text(encoding="utf-8")), np.int32)
-        split = calibration_tokens + 2048 if any(SCHEMES[n][0] for n in names) and not rotations else 0
-        calib_ids, eval_ids = ids[:split], ids[split:]
-        source = {"eval": f"{text} tokens [{split}, end)", "calibration": f"{text} tokens [0, {split})"}
-    served = None
-    if any(SCHEMES[n][0] for n in names):
+        ids = np.asarray(tokenizer.encode(file_text), np.int32)
+        n_calib = calibration_tokens + HELDOUT_TOKENS if calibrated and not rotations else 0
+        calib_ids, eval_ids = ids[:n_calib], ids[n_calib:]
+        source = {"eval": f"{text} tokens [{n_calib}, end)", "calibration": f"{text} tokens [0, {n_calib})"}
+        after = f" after the first {n_calib} (--calibration-tokens + {HELDOUT_TOKENS}, to calibrate)" if n_calib else ""
+    if len(eval_ids) < context:
+        cli.fail(f"--text {text}: {len(eval_ids)} tokens to evaluate{after}, fewer than one --context {context} window")
+    rows = windows(eval_ids, context, tokens)
+    if batch > len(rows):
+        cli.fail(f"--batch {batch} is more than the {len(rows)} window(s) of --context {context} "
+                 f"that --tokens {tokens} and --text {text} give")
+    rows = rows[: len(rows) // batch * batch]
+    seq_len = min(1024, context)
+    if calibrated and not rotations and (calibration_tokens < seq_len
+                                         or len(calib_ids) < calibration_tokens + seq_len):
+        cli.fail(f"--calibration-tokens {calibration_tokens}: calibrating first (no --rotations) needs at least "
+                 f"one window of {seq_len} tokens and {seq_len} held-aside tokens after them; the calibration "
+                 f"text has {len(calib_ids)}")
+    if calibrated:
         if rotations:
-            served = load_calibration(rotations, decoder.cfg)
-            md = artifact.read_metadata(rotations)
             source["calibration"] = (f"artifact {rotations}: {md.tokens} tokens (corpus hash {md.corpus_hash[:12]}, "
                                      f"{md.rotation_k}/{md.rotation_v}, G={md.group_size}, sink {md.sink}, "
                                      f"{'centered keys, ' if md.center_keys else ''}"
@@ -306,9 +332,7 @@ def eval_command(
             console.print(f"no --rotations: calibrating on {calibration_tokens} tokens of the "
                           f"calibration text first (disjoint from the evaluation text)")
             served = kv_policy.oscar_policy(
-                _calibrate(decoder, calib_ids, calibration_tokens, 2048, min(1024, context)))
-    rows = windows(eval_ids, context, tokens)
-    rows = rows[: len(rows) // batch * batch]
+                _calibrate(decoder, calib_ids, calibration_tokens, HELDOUT_TOKENS, seq_len))
     policies = {n: scheme_policy(n, served, implementation) for n in names}
     with Progress(console=console) as bar:
         task = bar.add_task(f"eval {len(rows)}x{context} tokens, {len(names)} schemes",

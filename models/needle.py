@@ -16,14 +16,15 @@ import numpy as np
 import typer
 from rich.table import Table
 
+from oscar_jax.models import cli
 from oscar_jax.models import generate as gen
-from oscar_jax.models import registry
 from oscar_jax.models import results as results_io
 from oscar_jax.models.cli import app, console, load_calibration
 from oscar_jax.models.evaluate import SCHEMES, scheme_policy
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "\nWhat is the pass key? The pass key is"
+NEW_TOKENS = 8  # greedy tokens decoded after each prompt
 
 
 def needle_prompt(tokenizer, length: int, depth: float, passkey: int) -> list[int]:
@@ -65,18 +66,40 @@ def run(model, tokenizer, policy, name: str, lengths, depths, trials: int, seed:
         for depth in depths:
             keys = rng.integers(10000, 100000, trials)
             prompts = [needle_prompt(tokenizer, length, depth, int(k)) for k in keys]
-            res = gen.generate(model, policy, prompts, max_new_tokens=8, key=jax.random.key(seed))
+            res = gen.generate(model, policy, prompts, max_new_tokens=NEW_TOKENS, key=jax.random.key(seed))
             hits = [str(k) in tokenizer.decode(t) for k, t in zip(keys, res.tokens)]
             out.append(NeedleResult(name, length, depth, float(np.mean(hits)), trials,
                                     kv_policy.bits_per_element(res.kv)))
     return out
 
 
-def _parse_lengths(text: str) -> list[int]:
+def parse_lengths(text: str) -> list[int]:
+    """"1K,2K,4096" -> [1024, 2048, 4096] (K = 1024); ValueError unless every entry is a
+    positive token count."""
     vals = []
     for part in text.split(","):
-        part = part.strip().upper()
-        vals.append(int(float(part[:-1]) * 1024) if part.endswith("K") else int(part))
+        entry = part.strip().upper()
+        try:
+            n = int(float(entry[:-1]) * 1024) if entry.endswith("K") else int(entry)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{part.strip()!r} is not a positive token count")
+        vals.append(n)
+    return vals
+
+
+def parse_depths(text: str) -> list[float]:
+    """"0.1,0.5" -> [0.1, 0.5]; ValueError unless every entry is a number in [0, 1]."""
+    vals = []
+    for part in text.split(","):
+        try:
+            d = float(part)
+        except ValueError:
+            d = float("nan")
+        if not 0 <= d <= 1:
+            raise ValueError(f"{part.strip()!r} is not a depth in [0, 1]")
+        vals.append(d)
     return vals
 
 
@@ -91,22 +114,40 @@ def needle(
     json_out: Path | None = typer.Option(None, "--json", help="write the records here"),
 ):
     """Passkey retrieval accuracy per context length and depth, through the decode loop."""
-    names = [s.strip() for s in kv.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SCHEMES]
-    if unknown:
-        raise typer.BadParameter(f"--kv {','.join(unknown)}: expected names from {', '.join(SCHEMES)}")
-    decoder, tokenizer = registry.load(model)
-    if tokenizer is None:
-        raise typer.BadParameter(f"--model {model}: no tokenizer found")
-    served = load_calibration(rotations, decoder.cfg) if rotations else None
-    results = []
-    for name in names:
+    names = cli.schemes(kv, SCHEMES)
+    try:
+        token_counts = parse_lengths(lengths)
+    except ValueError as e:
+        cli.fail(f"--lengths {lengths!r}: {e}; expected comma-separated token counts such as 1K,2K,4096")
+    try:
+        depth_values = parse_depths(depths)
+    except ValueError as e:
+        cli.fail(f"--depths {depths!r}: {e}")
+    cli.check_writable(json_out, "--json")
+    cfg = cli.model_config(model)
+    for n in token_counts:
+        cli.check_context(cfg, n + NEW_TOKENS, f"--lengths {n} + {NEW_TOKENS} generated tokens")
+    served = None
+    if rotations:
         try:
-            policy = scheme_policy(name, served)
+            served = load_calibration(rotations, cfg)
         except ValueError as e:
-            raise typer.BadParameter(str(e)) from None
-        results += run(decoder, tokenizer, policy, name, _parse_lengths(lengths),
-                       [float(d) for d in depths.split(",")], trials)
+            cli.fail(f"--rotations {rotations}: {e}")
+    try:
+        policies = {name: scheme_policy(name, served) for name in names}
+    except ValueError as e:
+        cli.fail(f"--kv {kv}: {e}")
+    decoder, tokenizer = cli.load_model(model)
+    if tokenizer is None:
+        cli.fail(f"--model {model}: no tokenizer found")
+    for n in token_counts:
+        try:
+            needle_prompt(tokenizer, n, 0.5, 10000)
+        except ValueError as e:
+            cli.fail(f"--lengths {n}: {e}")
+    results = []
+    for name, policy in policies.items():
+        results += run(decoder, tokenizer, policy, name, token_counts, depth_values, trials)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
     table = Table(title=f"oscar needle {model}: {trials} passkeys per cell; {device}, jax {jax.__version__}")
     for col in ("kv", "length", "depth", "accuracy", "bits/elem"):

@@ -81,7 +81,8 @@ def architecture(name: str) -> ModelConfig:
         return ModelConfig(
             family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
             num_heads=9, num_kv_heads=3, head_dim=64, rms_eps=9.999999747378752e-06, rope_theta=100000.0,
-            layer_types=("full_attention",) * 30, tie_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
+            layer_types=("full_attention",) * 30, tie_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+            max_position=8192)
     if name == "gemma3":
         return ModelConfig(
             family="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
@@ -89,7 +90,7 @@ def architecture(name: str) -> ModelConfig:
             layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 3, rope_local_theta=10000.0,
             sliding_window=512, tie_embeddings=True, qk_norm=True, activation="gelu_tanh",
             query_pre_attn_scalar=256.0, embed_scale=True, post_norms=True, bos_token_id=2,
-            eos_token_ids=(1,), hf_model_type="gemma3_text")
+            eos_token_ids=(1,), hf_model_type="gemma3_text", max_position=32768)
     raise ValueError(f"model name {name!r}: expected one of {sorted(MODELS)}")
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from oscar_jax.models.gguf_loader import import_gguf, write_atomic
+from oscar_jax.models.gguf_loader import open_gguf, write_atomic
 
 # GGUF token types (llama.cpp)
 _NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
@@ -52,7 +52,7 @@ class TextTokenizer:
         if cache_path is not None and Path(cache_path).is_file():
             ids = json.loads(Path(f"{cache_path}.ids.json").read_text())
             return cls(Tokenizer.from_file(str(cache_path)), ids["bos_id"], tuple(ids["eos_ids"]), ids["add_bos"])
-        f = import_gguf().GGUFReader(str(path)).fields
+        f = open_gguf(path).fields
         meta = lambda k: f[k].contents() if k in f else None
         eos = meta("tokenizer.ggml.eos_token_id")
         add_bos = meta("tokenizer.ggml.add_bos_token")

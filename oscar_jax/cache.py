@@ -35,6 +35,40 @@ def _static():
     return dataclasses.field(metadata={"static": True})
 
 
+# Largest |dualᵀ·R - I| accepted, relative to |dual|ᵀ·|R| (dual = R for an orthogonal R):
+# float32 rotations made in float64 (eigh + Hadamard) and rounded sit near 1e-7, float32 eigh
+# near 1e-5; a scaled, random or zero matrix is off by O(1).
+ORTHOGONALITY_TOLERANCE = 1e-3
+
+
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def check_rotation(rot, dual, name: str = "rot", dual_name: str = "dual") -> None:
+    """ValueError unless `rot` [.., D, D] is finite and, with `dual` None, orthogonal (RᵀR = I),
+    or `dual` (same shape) is finite and R^{-T} (dualᵀ·R = I), within
+    `ORTHOGONALITY_TOLERANCE` of |dual|ᵀ·|R| per entry. Skipped for traced arrays."""
+    if not _concrete(rot, dual):
+        return
+    r = np.asarray(rot, np.float64)
+    m = r if dual is None else np.asarray(dual, np.float64)
+    for x, label in ((r, name), (m, dual_name)):
+        if not np.isfinite(x).all():
+            raise ValueError(f"{label} holds non-finite (NaN or inf) values")
+    product = np.einsum("...ki,...kj->...ij", m, r)
+    scale = np.einsum("...ki,...kj->...ij", np.abs(m), np.abs(r))
+    err = np.abs(product - np.eye(r.shape[-1]))
+    if np.all(err <= ORTHOGONALITY_TOLERANCE * scale + 1e-12):
+        return
+    worst = float(err.max())
+    if dual is None:
+        raise ValueError(f"{name} is not orthogonal (max |RᵀR - I| = {worst:.3g}) and comes without "
+                         f"{dual_name}: a non-orthogonal rotation needs its dual R^-T")
+    raise ValueError(f"{dual_name} is not the inverse transpose of {name} (max |{dual_name}ᵀ·{name} - I| = "
+                     f"{worst:.3g})")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
@@ -81,7 +115,11 @@ class LayerParams:
                v_folded: bool = False, dual_k=None, dual_v=None, k_shift=None) -> "LayerParams":
         """Broadcast rotations ([D, D], [Hkv, D, D] or [L, Hkv, D, D]), their optional
         duals (same shapes), clips and the optional key shift ([D], [Hkv, D] or
-        [L, Hkv, D]) to a stack."""
+        [L, Hkv, D]) to a stack.
+
+        Refuses (ValueError) non-finite values, clips outside (0, 1], a rotation without its
+        dual that is not orthogonal, and a dual that is not its rotation's inverse transpose
+        (`check_rotation`). Traced arguments (under jit) are checked for shape only."""
 
         def rot(r, name):
             r = jnp.asarray(r, jnp.float32)
@@ -91,20 +129,25 @@ class LayerParams:
             return jnp.broadcast_to(r, (num_layers, kv_heads, d, d))
 
         def clip(c, name):
-            if not isinstance(c, jax.core.Tracer) and (np.any(np.asarray(c) <= 0) or np.any(np.asarray(c) > 1)):
-                raise ValueError(f"{name}={c}: expected clip ratios in (0, 1]")
-            return jnp.broadcast_to(jnp.asarray(c, jnp.float32), (num_layers,))
+            c = jnp.asarray(c, jnp.float32)
+            if _concrete(c) and not np.all((np.asarray(c) > 0) & (np.asarray(c) <= 1)):
+                raise ValueError(f"{name}={np.asarray(c).tolist()}: expected clip ratios in (0, 1]")
+            return jnp.broadcast_to(c, (num_layers,))
 
         def shift(m):
             m = jnp.asarray(m, jnp.float32)
             d = jnp.shape(rot_k)[-1]
             if m.ndim < 1 or m.ndim > 3 or m.shape[-1] != d:
                 raise ValueError(f"k_shift.shape={m.shape}: expected [D={d}], [Hkv, D] or [L, Hkv, D]")
+            if _concrete(m) and not np.isfinite(np.asarray(m)).all():
+                raise ValueError("k_shift holds non-finite (NaN or inf) values")
             return jnp.broadcast_to(m, (num_layers, kv_heads, d))
 
         rk, rv = rot(rot_k, "rot_k"), rot(rot_v, "rot_v")
         dk = None if dual_k is None else rot(dual_k, "dual_k")
         dv = None if dual_v is None else rot(dual_v, "dual_v")
+        check_rotation(rk, dk, "rot_k", "dual_k")
+        check_rotation(rv, dv, "rot_v", "dual_v")
         query_rot = rk if dk is None else dk
         return cls(rk, rv, clip(clip_k, "clip_k"), clip(clip_v, "clip_v"), v_folded, dk, dv,
                    None if k_shift is None else shift(k_shift),
@@ -113,6 +156,19 @@ class LayerParams:
 
     def layer(self, i: int) -> "LayerParams":
         return jax.tree.map(lambda x: x[i], self)
+
+
+def check_params(spec: CacheSpec, params: LayerParams, caller: str) -> None:
+    """ValueError (naming `caller`) unless `params` is one layer's parameters for a cache of
+    `spec`: rotations [Hkv, D, D], clips [], k_shift [Hkv, D]."""
+    h, d = spec.kv_heads, spec.head_dim
+    want = {"rot_k": (h, d, d), "rot_v": (h, d, d), "dual_k": (h, d, d), "dual_v": (h, d, d),
+            "clip_k": (), "clip_v": (), "k_shift": (h, d)}
+    for name, shape in want.items():
+        x = getattr(params, name)
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(f"{caller}: params.{name}.shape={tuple(x.shape)}: expected {list(shape)} for this "
+                             f"cache (Hkv={h}, D={d}; stacked params: pass params.layer(i))")
 
 
 @jax.tree_util.register_dataclass
@@ -126,7 +182,9 @@ class OscarCache:
     hist_lo_k, hist_scale_k: meta  [L, B, Hkv, D/G, tpb, T_hist/tpb] (layout.pack_meta)
     recent_k, recent_v:      bf16  [L, B, Hkv, W, D]
     lengths:                 int32 [L, B]  tokens held per sequence (same in every layer)
-    overflow:                bool  [L, B]  an append would have passed max_len (it was dropped)
+    overflow:                bool  [L, B]  an append would have passed max_len (it was dropped), or
+                                           write_prompt's prompt_lengths lay outside [0, min(T, max_len)]
+                                           (the row was left empty)
     """
 
     sink_k: jax.Array
@@ -352,6 +410,7 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
     b, h, d = spec.batch, spec.kv_heads, spec.head_dim
     _check_kv("k", k, b, h, d)
     _check_kv("v", v, b, h, d)
+    check_params(spec, params, "append")
     c = k.shape[1]
     if v.shape != k.shape:
         raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
@@ -447,8 +506,9 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
 
     k, v: [B, T, Hkv, D] post-RoPE, unrotated; prompt_lengths: int32 [B] <= T.
     Row b ends up holding positions [0, prompt_lengths[b]): the sink, the quantised
-    history [S0, n - W) and the recent ring. Rows longer than max_len raise outside
-    jit; inside jit they are emptied and flagged in `overflow`.
+    history [S0, n - W) and the recent ring. Rows whose prompt_lengths lie outside
+    [0, min(T, max_len)] raise outside jit; inside jit they are emptied and flagged in
+    `overflow`.
     implementation: `oscar_jax.dispatch`'s names: "xla", "pallas" / "pallas_mosaic_gpu" /
     "pallas_tpu" (the Triton / Mosaic GPU / TPU bulk rotate-quantise-pack kernel; only the
     sink and ring tokens are rotated in XLA) or "auto"; interpret: run an explicit kernel
@@ -461,6 +521,7 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
     b, h, d = spec.batch, spec.kv_heads, spec.head_dim
     _check_kv("k", k, b, h, d)
     _check_kv("v", v, b, h, d)
+    check_params(spec, params, "write_prompt")
     if v.shape != k.shape:
         raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
     k = shifted_keys(k, params)
@@ -468,9 +529,12 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
     n = jnp.asarray(prompt_lengths, jnp.int32)
     if n.shape != (b,):
         raise ValueError(f"prompt_lengths.shape={n.shape}: expected [B={b}]")
-    if not isinstance(n, jax.core.Tracer) and (np.any(np.asarray(n) > t) or np.any(np.asarray(n) < 0)):
-        raise ValueError(f"prompt_lengths={np.asarray(n).tolist()} must lie in [0, T={t}]")
-    ok = _check_append(spec.max_len, n, 0)
+    ok = (n >= 0) & (n <= min(t, spec.max_len))
+    if not isinstance(n, jax.core.Tracer):
+        bad = np.nonzero(~np.asarray(ok))[0]
+        if bad.size:
+            raise ValueError(f"write_prompt: prompt_lengths={np.asarray(n).tolist()} must lie in "
+                             f"[0, min(T={t}, max_len={spec.max_len})] (batch rows {bad.tolist()})")
     n = jnp.where(ok, n, 0)
     s0, w, bits, tpb = spec.sink, spec.window, spec.quant.bits, spec.quant.tokens_per_byte
     n_hist = min(max(t - s0, 0), spec.hist_capacity)

@@ -68,8 +68,8 @@ def test_centered_keys_round_trip(tmp_path, calibrations):
 
 
 def test_served_sink_and_window(tmp_path, calibrations):
-    meta = artifact.save(tmp_path / "a", calibrations["uhp"], corpus_hash="c", layers=(0, 2, 4),
-                         sink=16, window=112, **MODEL)
+    meta = artifact.save(tmp_path / "a", calibrations["uhp"], corpus_hash=artifact.fingerprint("c"),
+                         layers=(0, 2, 4), sink=16, window=112, **MODEL)
     assert (meta.sink, meta.window) == (16, 112)
     assert artifact.read_metadata(tmp_path / "a") == meta
 
@@ -142,3 +142,90 @@ def test_fingerprint_is_canonical_and_discriminating():
     assert artifact.fingerprint(np.arange(5)) == artifact.fingerprint([0, 1, 2, 3, 4])
     assert artifact.fingerprint(np.arange(5)) != artifact.fingerprint(np.arange(1, 6))
     assert artifact.fingerprint(QuantConfig()) != artifact.fingerprint(QuantConfig(bits=4))
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"window": 0}, r"window=0: expected an int >= 1"),
+    ({"sink": -1}, r"sink=-1: expected an int >= 0"),
+    ({"layers": [0, 2]}, "layers="),
+    ({"layers": [4, 2, 0]}, "layers="),
+    ({"quant": {"bits": 3, "group_size": 8, "codebook": "uniform", "scale_dtype": "bfloat16"}}, "quant="),
+    ({"quant": {"bits": 2, "group_size": 32, "codebook": "uniform", "scale_dtype": "bfloat16"}}, "head_dim=16"),
+    ({"rotation_k": "bogus"}, "rotation_k="),
+    ({"clip_mode": "guess"}, "clip_mode="),
+    ({"center_keys": "yes"}, "center_keys="),
+    ({"tokens": 1.5}, "tokens="),
+    ({"created": "yesterday"}, "created="),
+    ({"corpus_hash": "abc"}, "corpus_hash="),
+    ({"extra": 1}, r"unknown: \['extra'\]"),
+    ({"window": None}, "window="),
+])
+def test_invalid_metadata_field_refused(tmp_path, calibrations, edit, match):
+    """Every metadata field is validated on read: a hand-edited window=0 (or any other
+    out-of-range, mistyped, unknown field) is refused, by read_metadata and load alike."""
+    path, _ = _save(tmp_path, calibrations["uhp"])
+    meta_file = path / "metadata" / "metadata"
+    raw = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps(raw | edit))
+    for read in (lambda: artifact.read_metadata(path), lambda: artifact.load(path, head_dim=D, **MODEL)):
+        with pytest.raises(ValueError, match=match):
+            read()
+
+
+@pytest.mark.parametrize("edit", [{"model_name": "other"}, {"rotation_k": "shaped"}, {"tokens": 4096},
+                                  {"sink": 16}, {"window": 112}, {"layers": [1, 2, 3]},
+                                  {"corpus_hash": artifact.fingerprint("other text")},
+                                  {"created": "2020-01-01T00:00:00+00:00"}])
+def test_checksum_covers_every_metadata_field(tmp_path, calibrations, edit):
+    """A valid but hand-edited descriptive or serving field fails the checksum."""
+    path, _ = _save(tmp_path, calibrations["uhp"])
+    meta_file = path / "metadata" / "metadata"
+    meta_file.write_text(json.dumps(json.loads(meta_file.read_text()) | edit))
+    assert artifact.read_metadata(path)  # each field alone is valid
+    with pytest.raises(ValueError, match="do not match the checksum"):
+        artifact.load(path, head_dim=D, model_name=None, config_hash=MODEL["config_hash"])
+
+
+_WRITER = """
+import pickle, sys, time
+from pathlib import Path
+from oscar_jax import artifact
+calib, target, go, kwargs = pickle.loads(Path(sys.argv[1]).read_bytes())
+while not Path(go).exists():
+    time.sleep(0.001)
+try:
+    meta = artifact.save(target, calib, **kwargs)
+    print("WON", meta.checksum)
+except ValueError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_concurrent_writers_one_winner_never_partial(tmp_path, calibrations):
+    """Writer processes racing for one path (each imports, then waits for one signal, 2
+    rounds): exactly one succeeds, every other is refused with a ValueError, the artifact
+    loads complete and is the winner's, and no temporary directory is left behind."""
+    import pickle
+    import subprocess
+    import sys
+
+    for round_ in range(2):
+        path, go = tmp_path / f"a{round_}", tmp_path / f"go{round_}"
+        procs = []
+        for i, name in enumerate(("uhp", "shaped/head", "centered")):
+            job = tmp_path / f"job{round_}{i}.pkl"
+            job.write_bytes(pickle.dumps((calibrations[name], str(path), str(go), dict(
+                corpus_hash=artifact.fingerprint(str(i)), layers=(0, 2, 4), **MODEL))))
+            procs.append(subprocess.Popen([sys.executable, "-c", _WRITER, str(job)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        go.touch()
+        outs = [p.communicate(timeout=300) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+        lines = [out.strip().splitlines()[-1] for out, _ in outs]
+        won = [line.split()[1] for line in lines if line.startswith("WON")]
+        assert len(won) == 1, lines
+        assert all("already exists" in line or "appeared while" in line
+                   for line in lines if line.startswith("REFUSED")), lines
+        _, loaded = artifact.load(path, head_dim=D, **MODEL)
+        assert loaded.checksum == won[0]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["a0", "a1"]

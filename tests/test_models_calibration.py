@@ -57,7 +57,7 @@ def test_windows_and_text_errors(tmp_path):
     np.testing.assert_array_equal(mc.windows(np.arange(10), 4), [[0, 1, 2, 3], [4, 5, 6, 7]])
     with pytest.raises(ValueError, match="seq_len=16"):
         mc.windows(np.arange(10), 16)
-    with pytest.raises(FileNotFoundError, match="expected 'shakespeare' or a text file"):
+    with pytest.raises(FileNotFoundError, match="expected 'shakespeare' or a UTF-8 text file"):
         mc.calibration_text(str(tmp_path / "missing.txt"))
     (tmp_path / "a.txt").write_text("some calibration text")
     assert mc.calibration_text(str(tmp_path / "a.txt")) == "some calibration text"

