@@ -292,6 +292,7 @@ def generate(model: Decoder, policy, prompts: Sequence[Sequence[int]], *, max_ne
              eos_ids: Sequence[int] | None = None) -> Generation:
     """Prefill ragged `prompts` (token id lists), then decode up to `max_new_tokens` each."""
     tokens, lengths = pad_prompts(prompts)
+    model.cfg.check_context(int(lengths.max()) + max_new_tokens, "the longest prompt + max_new_tokens")
     eos = tuple(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
     key = jax.random.key(0) if key is None else key
     max_len = int(lengths.max()) + max_new_tokens

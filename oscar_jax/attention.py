@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from oscar_jax import dispatch, reference
-from oscar_jax.cache import LayerParams, OscarCache, RingCache
+from oscar_jax.cache import LayerParams, OscarCache, RingCache, check_params
 from oscar_jax.config import CacheSpec
 from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention
@@ -120,6 +120,7 @@ def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
     if layer_cache.is_stacked:
         raise ValueError("attend takes a per-layer cache: use cache.layer(i) or lax.scan")
     _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
+    check_params(spec, layer_params, "attend")
     if q.shape[1] > spec.window:
         raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call")
     name = resolve(implementation, spec, q.shape[1], q.shape[2] // spec.kv_heads, interpret=interpret)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from oscar_jax.cache import (LayerParams, OscarCache, RingCache, check_params, ring_positions,
+from oscar_jax.cache import (LayerParams, OscarCache, RingCache, ring_positions,
                              ring_slot_positions)
 
 _HI = jax.lax.Precision.HIGHEST
@@ -77,7 +77,6 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     o is in the model's basis unless params.v_folded (then in the R_V basis).
     """
     spec = cache.spec
-    check_params(spec, params, "attend")
     c, d = q.shape[1], q.shape[3]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     n = cache.lengths

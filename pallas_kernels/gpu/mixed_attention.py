@@ -414,7 +414,9 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
 
 
 def supports(spec) -> bool:
-    """Cache configurations this kernel handles (a `CacheSpec`)."""
+    """Cache configurations this kernel handles (a `CacheSpec`): 2-bit codes, G >= 16, D in
+    {64, 128, 256}, a non-empty sink and history (its grid has no zero-size segments)."""
     d = spec.head_dim
     return (spec.quant.bits == 2 and 16 <= spec.group_size and d in (64, 128, 256)
+            and spec.sink > 0 and spec.hist_capacity > 0
             and level_encoding(spec.quant.levels) is not None)
