@@ -25,9 +25,6 @@ attention (bf16 MMA operands) per-row relative Frobenius error <= 1e-2, lse with
 exact (the TPU write's codes may differ on rounding ties only, < 0.2% of them), with a dense
 rotation codes within one level (a rotated value may round to the neighbouring bf16: <= 1%
 of them and 4 more) and metadata within 8e-3 relative + 2^-6 of the largest.
-
-The Mosaic GPU bulk write runs with one warpgroup per block here: with 3 (its default) the
-Mosaic GPU interpreter can deadlock (a `_barrier_wait` that never returns).
 """
 
 from __future__ import annotations
@@ -168,7 +165,8 @@ def _attention_fns(case: AttentionCase):
     if case.kernel == "triton":
         kernel = functools.partial(triton_attention.mixed_attention, **static)
     elif case.kernel == "mosaic_gpu":
-        kernel = functools.partial(mgpu_attention.mixed_attention, warpgroups=case.warpgroups, **static)
+        config = None if case.warpgroups is None else mgpu_attention.Config(case.warpgroups, 3, 8)
+        kernel = functools.partial(mgpu_attention.mixed_attention, config=config, **static)
     else:
         config = tpu_attention.AttentionConfig(case.hist_rows or 2048)
         kernel = functools.partial(tpu_attention.mixed_attention, config=config, **static)
@@ -210,10 +208,7 @@ def _attention_case(kernel: str, extend: bool, data, slow: bool):
         b, c, hq, d = q.shape
         q_rot = jnp.einsum("bckgd,kde->bckge", q.reshape(b, c, case.hkv, case.g, d), params.query_rot,
                            precision=jax.lax.Precision.HIGHEST).reshape(q.shape)
-        o, lse = jax.block_until_ready(run_kernel(
-            q_rot, cache.sink_k, cache.sink_v, cache.hist_codes_k, cache.hist_codes_v, cache.hist_lo_k,
-            cache.hist_scale_k, cache.hist_lo_v, cache.hist_scale_v, cache.recent_k, cache.recent_v,
-            cache.lengths))
+        o, lse = jax.block_until_ready(run_kernel(q_rot, layout.CacheArrays.of(cache)))
         o_ref, lse_ref = run_reference(q, cache, params)
         assert o.shape == o_ref.shape and lse.shape == lse_ref.shape
         o, lse, o_ref, lse_ref = (np.asarray(x, np.float32) for x in (o, lse, o_ref, lse_ref))
@@ -293,8 +288,9 @@ def write_cases(draw, kernel: str, slow: bool) -> WriteCase:
             block_rows=draw(st.sampled_from([16, 32]), label="block rows"),
             loop=draw(st.sampled_from([1, 2, 4]), label="loop"))),)
     elif kernel == "mosaic_gpu":
-        settings = (("blocks_per_program", draw(st.sampled_from([1, 2, 128]), label="blocks per program")),
-                    ("warpgroups", 1))
+        settings = (("config", mgpu_write.Config(
+            blocks_per_program=draw(st.sampled_from([1, 2, 128]), label="blocks per program"), min_programs=1,
+            warpgroups=draw(st.sampled_from([1, 2, 3]), label="warpgroups"))),)
     else:
         settings = (("block_sizes", tpu_write.WriteBlockSizes(draw(st.sampled_from([512, 2048]), label="block"))),)
     return WriteCase(kernel, draw(st.integers(1, 3), label="B"), t, draw(st.integers(1, 3), label="Hkv"), d, q,
