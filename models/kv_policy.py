@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from oscar_jax import attention, cache as oc, rotation, sharding
+from oscar_jax import attention, cache as oc, rotation, sharding, updates
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
 from oscar_jax.config import bits_per_element as bpe_formula
 from oscar_jax.models import dense_cache
@@ -84,9 +84,9 @@ class KVState:
 def write_prompt(layer, k: jax.Array, v: jax.Array, lengths: jax.Array):
     """Bulk write of whole prompts into one layer. k, v [B, T, Hkv, D] post-RoPE; lengths [B]."""
     if isinstance(layer, OscarLayer):
-        return dataclasses.replace(layer, cache=oc.write_prompt(layer.cache, k, v, lengths, layer.params))
+        return dataclasses.replace(layer, cache=updates.write_prompt(layer.cache, k, v, lengths, layer.params))
     if isinstance(layer, oc.RingCache):
-        return oc.ring_write_prompt(layer, k, v, lengths)
+        return updates.ring_write_prompt(layer, k, v, lengths)
     return dense_cache.write_prompt(layer, k, v, lengths)
 
 
@@ -106,12 +106,12 @@ def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_sc
     "Attention over the mixed cache"). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE.
     Returns (o [B, C, Hq, D], layer)."""
     if isinstance(layer, OscarLayer):
-        cache = oc.append(layer.cache, k, v, layer.params)
+        cache = updates.append(layer.cache, k, v, layer.params)
         o, _ = attention.attend(q, cache, layer.params, implementation=layer.implementation,
                                 softmax_scale=softmax_scale)
         return o, dataclasses.replace(layer, cache=cache)
     if isinstance(layer, oc.RingCache):
-        ring = oc.ring_append(layer, k, v)
+        ring = updates.ring_append(layer, k, v)
         o, _ = attention.attend_window(q, ring, softmax_scale=softmax_scale)
         return o, ring
     return dense_cache.append_attend(layer, q, k, v, softmax_scale)
