@@ -54,6 +54,18 @@ def _check_kv(name: str, x: jax.Array, b: int, h: int, d: int) -> None:
         raise ValueError(f"{name}.shape={x.shape}: expected [B={b}, T, Hkv={h}, D={d}]")
 
 
+def _check_inputs(caller: str, cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -> None:
+    """ValueError naming `caller` unless cache is one layer's and k, v [B, T, Hkv, D] and params fit it."""
+    spec = cache.spec
+    if cache.is_stacked:
+        raise ValueError(f"{caller} takes a per-layer cache: use cache.layer(i) or lax.scan")
+    for name, x in (("k", k), ("v", v)):
+        _check_kv(name, x, spec.batch, spec.kv_heads, spec.head_dim)
+    check_params(spec, params, caller)
+    if v.shape != k.shape:
+        raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
+
+
 # ----------------------------------------------------------------------------
 # Writes into the quantised history
 
@@ -142,15 +154,9 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
     jit it is left unchanged and its `overflow` flag is set.
     """
     spec = cache.spec
-    if cache.is_stacked:
-        raise ValueError("append takes a per-layer cache: use cache.layer(i) or lax.scan")
-    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
-    _check_kv("k", k, b, h, d)
-    _check_kv("v", v, b, h, d)
-    check_params(spec, params, "append")
+    _check_inputs("append", cache, k, v, params)
+    b = spec.batch
     c = k.shape[1]
-    if v.shape != k.shape:
-        raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
     if c > spec.window:
         raise ValueError(f"chunk C={c} must be <= window W={spec.window}")
     k = shifted_keys(k, params)
@@ -253,14 +259,8 @@ def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: 
     """
     spec = cache.spec
     impl = dispatch.resolve("write", implementation, spec, interpret=interpret)
-    if cache.is_stacked:
-        raise ValueError("write_prompt takes a per-layer cache: use cache.layer(i) or lax.scan")
-    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
-    _check_kv("k", k, b, h, d)
-    _check_kv("v", v, b, h, d)
-    check_params(spec, params, "write_prompt")
-    if v.shape != k.shape:
-        raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
+    _check_inputs("write_prompt", cache, k, v, params)
+    b = spec.batch
     k = shifted_keys(k, params)
     t = k.shape[1]
     n = jnp.asarray(prompt_lengths, jnp.int32)
