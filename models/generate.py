@@ -223,20 +223,21 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
     so a KeyboardInterrupt stops it within a segment; on_segment(i) runs after each call has
     finished on the device, with the number of columns filled. Returns (tokens int32
     [B, max_new_tokens], `first` in column 0, NO_TOKEN after a stop; count int32 [B]
-    tokens generated incl. EOS; kv). kv is donated. program: from `compile_decode`.
+    tokens generated incl. EOS; kv). kv is donated. program: from `compile_decode` (with this
+    `sampling` and `eos_ids`).
     """
     first = jnp.asarray(first, jnp.int32)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
     if first.shape != kv.lengths.shape:
         raise ValueError(f"first.shape={first.shape}: expected [B={kv.lengths.shape[0]}]")
+    if segment < 1:
+        raise ValueError(f"segment={segment}: expected >= 1")
     kv_policy.check_fits(kv, np.asarray(kv.lengths) + max_new_tokens - 1)
     eos = _eos_array(eos_ids)
     run = functools.partial(_decode, sampling=sampling) if program is None else program
     loop = _loop_start(first, eos, max_new_tokens)
     i = 1
-    if segment < 1:
-        raise ValueError(f"segment={segment}: expected >= 1")
     while i < max_new_tokens:
         i = min(i + segment, max_new_tokens)
         loop, key, kv = run(model, kv, loop, key, jnp.int32(i), eos)
