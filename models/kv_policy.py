@@ -55,7 +55,8 @@ def _static(default=dataclasses.MISSING):
 @dataclasses.dataclass(frozen=True)
 class OscarLayer:
     """One layer's `OscarCache` with its `LayerParams` (both per layer, no L axis) and the
-    `attend` implementation to run ("auto", "xla", "pallas", ...)."""
+    `attend` implementation to run ("auto", "xla", "pallas", ...); its appends run XLA's code
+    when that is "xla", else `updates.append`'s "auto"."""
 
     cache: oc.OscarCache
     params: oc.LayerParams
@@ -106,7 +107,8 @@ def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_sc
     "Attention over the mixed cache"). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE.
     Returns (o [B, C, Hq, D], layer)."""
     if isinstance(layer, OscarLayer):
-        cache = updates.append(layer.cache, k, v, layer.params)
+        cache = updates.append(layer.cache, k, v, layer.params,
+                               implementation="xla" if layer.implementation == "xla" else "auto")
         o, _ = attention.attend(q, cache, layer.params, implementation=layer.implementation,
                                 softmax_scale=softmax_scale)
         return o, dataclasses.replace(layer, cache=cache)

@@ -1,4 +1,4 @@
-"""The implementations `attend` and `write_prompt` dispatch to: one registry, one set of names.
+"""The implementations `attend`, `write_prompt` and `append` dispatch to: one registry, one set of names.
 
   "xla"                pure jnp (the reference attention, write_prompt's XLA quantiser), any backend;
   "pallas"             Pallas GPU kernels, Triton lowering;
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from oscar_jax.config import CacheSpec
 from oscar_jax.pallas_kernels.gpu import hopper
 
-OPS = ("attend", "write")
+OPS = ("attend", "write", "append")
 NAMES = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu")
 # The backend each implementation compiles for (None: any).
 PLATFORMS = {"xla": None, "pallas": "gpu", "pallas_mosaic_gpu": "gpu", "pallas_tpu": "tpu"}
@@ -33,7 +33,7 @@ AUTO_ORDER = {"gpu": ("pallas_mosaic_gpu", "pallas", "xla"), "tpu": ("pallas_tpu
 _DEVICES = {"pallas_mosaic_gpu": (lambda: hopper.device_supported(), "an sm_90 (Hopper) GPU")}
 
 # (cache spec, C queries per call, g query heads per KV head) -> whether the kernel handles it;
-# a write passes C = g = 1.
+# a write passes C = g = 1, an append C new tokens and g = 1.
 SupportsFn = Callable[[CacheSpec, int, int], bool]
 _REGISTRY: dict[tuple[str, str], tuple[Callable | None, SupportsFn]] = {}
 
@@ -43,7 +43,7 @@ def _always(spec: CacheSpec, queries: int, group: int) -> bool:
 
 
 def register(op: str, name: str, fn: Callable | None, supports: SupportsFn = _always) -> None:
-    """Make `fn` the `op` ("attend" or "write") of implementation `name` (one of NAMES);
+    """Make `fn` the `op` ("attend", "write" or "append") of implementation `name` (one of NAMES);
     supports(spec, C, g): the calls it can run. The op defines fn's signature (fn None: the
     op's own XLA code)."""
     if op not in OPS:

@@ -19,7 +19,7 @@ from oscar_jax.cache import (STORE_DTYPE, LayerParams, OscarCache, RingCache, ch
                              ring_positions, ring_slot_positions)
 from oscar_jax.config import LLOYD_MAX_SPAN, CacheSpec
 from oscar_jax.pallas_kernels import layout
-from oscar_jax.pallas_kernels.gpu import quantize_pack, quantize_pack_mgpu
+from oscar_jax.pallas_kernels.gpu import append_token, quantize_pack, quantize_pack_mgpu
 from oscar_jax.pallas_kernels.tpu import bulk_write
 
 
@@ -145,13 +145,17 @@ def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits
 # Public updates (per-layer view)
 
 
-def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -> OscarCache:
+def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *,
+           implementation: str = "auto", interpret: bool = False) -> OscarCache:
     """Append C new tokens to every sequence of one layer's cache.
 
     k, v: [B, C, Hkv, D] post-RoPE, unrotated, C <= W. The tokens are rotated on
     entry; the C oldest recent tokens that leave the ring are quantised into the
     history. A row whose lengths + C would pass max_len raises outside jit; inside
     jit it is left unchanged and its `overflow` flag is set.
+    implementation: `oscar_jax.dispatch`'s names: "xla", or "pallas" (the Triton
+    one-token kernel `append_token`, C = 1); "auto" takes the kernel on GPU where it
+    applies. interpret: run a kernel implementation in Pallas interpret mode (tests).
     """
     spec = cache.spec
     _check_inputs("append", cache, k, v, params)
@@ -159,6 +163,7 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
     c = k.shape[1]
     if c > spec.window:
         raise ValueError(f"chunk C={c} must be <= window W={spec.window}")
+    impl = dispatch.resolve("append", implementation, spec, queries=c, interpret=interpret)
     k = shifted_keys(k, params)
     s0, w, bits = spec.sink, spec.window, spec.quant.bits
     n = cache.lengths
@@ -167,6 +172,16 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
 
     def update(which, x, rot, clip):
         x_rot = _rotate(x, rot).astype(STORE_DTYPE)  # [B, H, C, D]
+        names = (f"sink_{which}", f"recent_{which}", f"hist_codes_{which}", f"hist_lo_{which}",
+                 f"hist_scale_{which}")
+        if impl == "pallas":
+            cfg = spec.quant
+            arrays = append_token.append_token(
+                x_rot[:, :, 0], n, ok, clip, *(getattr(cache, name) for name in names), window=w, bits=bits,
+                levels=cfg.levels, group_size=spec.group_size,
+                span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
+                channel_major=layout.CHANNEL_MAJOR[which], interpret=interpret)
+            return dict(zip(names, arrays))
         sink = getattr(cache, f"sink_{which}")
         ring = getattr(cache, f"recent_{which}")
         bidx = jnp.arange(b)[:, None]
@@ -193,8 +208,7 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         in_ring = (pos >= s0) & ok[:, None]
         ring = ring.at[bidx, :, jnp.where(in_ring, slot, w)].set(
             jnp.moveaxis(x_rot, 2, 1), mode="drop")
-        return {f"sink_{which}": sink, f"recent_{which}": ring, f"hist_codes_{which}": codes,
-                f"hist_lo_{which}": lo, f"hist_scale_{which}": scale}
+        return dict(zip(names, (sink, ring, codes, lo, scale)))
 
     updates = {**update("k", k, params.rot_k, params.clip_k),
                **update("v", v, params.rot_v, params.clip_v)}
@@ -233,6 +247,11 @@ def _tpu_bulk_write(x, rot, clip, spec: CacheSpec, start: int, count: int, chann
     return quant.Quantized(codes=codes, lo=lo, scale=scale)
 
 
+# append's implementations: its XLA code, and on GPU the one-token kernel (one launch per K or V
+# of a layer where the XLA code runs a dozen small fusions).
+dispatch.register("append", "xla", None)
+dispatch.register("append", "pallas", append_token.append_token,
+                  lambda spec, queries, group: queries == 1 and append_token.supports(spec))
 # write_prompt's implementations ("xla": its own XLA quantiser); "auto" takes the Mosaic GPU
 # bulk write on Hopper where it applies, else the Triton one, on GPU (both much faster than XLA).
 dispatch.register("write", "xla", None)

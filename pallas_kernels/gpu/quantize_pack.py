@@ -56,13 +56,46 @@ class BlockSizes:
         return cls(block_rows=16, loop=4 if head_dim <= 64 else 16, num_warps=4)
 
 
+def quantize_group(chunks, clip, *, span, levels, scale_dtype):
+    """One group of channels of m tokens, quantised as `quant.quantize` does (docs/method.md,
+    "The quantiser"): chunks f32 [m, cw] each (the group's channels, values exactly bf16),
+    clip f32 [] -> lo, scale (scale_dtype) [m] and each chunk's codes int32 [m, cw]
+    (non-finite positions code 0). span: None for the uniform min/max quantiser, else the
+    Lloyd-Max spread factor."""
+    top = float(levels[-1])
+    size = sum(c.shape[1] for c in chunks)
+    if span is None:
+        xmax = functools.reduce(jnp.maximum, [jnp.max(c, axis=1) for c in chunks])
+        xmin = functools.reduce(jnp.minimum, [jnp.min(c, axis=1) for c in chunks])
+        mid = 0.5 * (xmax + xmin)
+        half = clip * 0.5 * (xmax - xmin)
+    else:
+        mid = sum(jnp.sum(c, axis=1) for c in chunks) / size
+        var = sum(jnp.sum((c - mid[:, None]) ** 2, axis=1) for c in chunks) / size
+        half = clip * span * jnp.sqrt(var)
+    lo = (mid - half).astype(scale_dtype)  # [m]
+    scale = (2.0 * half / top).astype(scale_dtype)
+    lo32, scale32 = lo.astype(jnp.float32)[:, None], scale.astype(jnp.float32)[:, None]
+    pos = scale32 > 0
+    codes = []
+    for c in chunks:
+        u = jnp.where(pos, (c - lo32) / jnp.where(pos, scale32, 1.0), 0.0)
+        if span is None:  # round half to even, as jnp.round
+            code = layout.round_to_int(jnp.clip(u, 0.0, top))
+        else:
+            code = jnp.zeros(u.shape, jnp.int32)
+            for k in range(1, len(levels)):
+                code = code + jnp.where(u >= 0.5 * (levels[k] + levels[k - 1]), 1, 0)
+        codes.append(jnp.where(jnp.abs(u) < jnp.inf, code, 0))
+    return lo, scale, codes
+
+
 def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_ref, *, bits, levels,
             span, group_size, scale_dtype, start, rows_out, block_rows, loop, channel_major, interpret):
     b, h, prog = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t_total, d = x_ref.shape[1], x_ref.shape[3]
     tpb = 8 // bits
     m = tpb * block_rows  # tokens per block
-    top = float(levels[-1])
     clip = clip_ref[0]
     if interpret:  # XLA:CPU may accumulate bf16 dots in bf16; the GPU MMA uses f32
         dot = lambda a, r: jnp.dot(a.astype(jnp.float32), r.astype(jnp.float32),
@@ -94,29 +127,9 @@ def _kernel(clip_ref, x_ref, rot_hi_ref, rot_lo_ref, codes_ref, lo_ref, scale_re
                 hi, lo_part = hoisted if hoisted is not None else rot_tiles(cols)
                 # [m, cw], rounded to bf16 as the cache stores it
                 xr.append((dot(x, hi) + dot(x, lo_part)).astype(jnp.bfloat16).astype(jnp.float32))
-            if span is None:
-                xmax = functools.reduce(jnp.maximum, [jnp.max(c, axis=1) for c in xr])
-                xmin = functools.reduce(jnp.minimum, [jnp.min(c, axis=1) for c in xr])
-                mid = 0.5 * (xmax + xmin)
-                half = clip * 0.5 * (xmax - xmin)
-            else:
-                mid = sum(jnp.sum(c, axis=1) for c in xr) / group_size
-                var = sum(jnp.sum((c - mid[:, None]) ** 2, axis=1) for c in xr) / group_size
-                half = clip * span * jnp.sqrt(var)
-            lo = (mid - half).astype(scale_dtype)  # [m]
-            scale = (2.0 * half / top).astype(scale_dtype)
-            lo32, scale32 = lo.astype(jnp.float32)[:, None], scale.astype(jnp.float32)[:, None]
-            pos = scale32 > 0
-            for cols, c in zip(chunks, xr):
-                u = jnp.where(pos, (c - lo32) / jnp.where(pos, scale32, 1.0), 0.0)
-                if span is None:  # round half to even, as jnp.round
-                    u = jnp.clip(u, 0.0, top)
-                    code = layout.round_to_int(u)
-                else:
-                    code = jnp.zeros(u.shape, jnp.int32)
-                    for k in range(1, len(levels)):
-                        code = code + jnp.where(u >= 0.5 * (levels[k] + levels[k - 1]), 1, 0)
-                code = jnp.where(jnp.abs(u) < jnp.inf, code, 0) << shift
+            lo, scale, codes = quantize_group(xr, clip, span=span, levels=levels, scale_dtype=scale_dtype)
+            for cols, code in zip(chunks, codes):
+                code = code << shift
                 packed = jnp.sum(code.reshape(block_rows, tpb, cw), axis=1)  # [block_rows, cw]
                 rows = pl.ds(r0, block_rows)
                 prow_ok = r0 + jnp.arange(block_rows) < rows_out
