@@ -21,7 +21,7 @@ GPU_GROUPS = {
     "gpu_mgpu": "the Mosaic GPU decode kernel at D = 128 compiled on a Hopper GPU",
     "gpu_decode": "the Mosaic GPU decode at D = 64 and 256, production windows and 'auto' on a GPU",
     "gpu_decode_parts": "decode_start and decode_finish compiled on a GPU",
-    "gpu_write": "the bulk writes (Triton, Mosaic GPU) and write_prompt compiled on a GPU",
+    "gpu_write": "the bulk writes (Triton, Mosaic GPU), write_prompt and the append kernel compiled on a GPU",
     "gpu_serving": "the decoder's prefill and decode (cuDNN, Mosaic GPU) against XLA on a GPU",
 }
 COMPILATION_CACHE = pathlib.Path(__file__).resolve().parents[1] / "build" / "jax_cache"

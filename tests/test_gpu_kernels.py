@@ -13,7 +13,8 @@ compilations in build/jax_cache across runs):
     pytest -p no:cacheprovider -n 0 -m gpu_decode_parts tests/test_gpu_kernels.py  # decode_start, decode_finish (8)
     pytest -p no:cacheprovider -n 0 -m gpu_write tests/test_gpu_kernels.py         # bulk writes, write_prompt (19)
 
-(`-m gpu` runs all five groups and tests/test_serving_path.py's `gpu_serving`.)
+(`-m gpu` runs all five groups, tests/test_serving_path.py's `gpu_serving` and
+tests/test_append_kernel.py's cases of `gpu_write`.)
 Tolerances: attention output relative Frobenius error
 <= 1e-2 (bf16 MMA operands against the f32 HIGHEST-precision reference),
 lse within 2e-2 + 5e-3·|lse| (q enters the MMA in bf16); the bulk write is
