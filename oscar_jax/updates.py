@@ -110,18 +110,20 @@ def _write_history(codes, lo, scale, new: quant.Quantized, start, count, bits: i
     return codes, lo, scale
 
 
-def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits: int, channel_major: bool):
+def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits: int, channel_major: bool,
+                         seq: jax.Array | None = None):
     """Decode's history write: one token per sequence at history index `index` int32 [B] (skipped
     where negative or not `ok` [B]), as a read-modify-write of its byte row and one metadata
     element, so a step touches a handful of bytes and stays a few fused kernels.
 
-    codes uint8 [B, H, R, D] ([B, H, D, R] when channel_major); lo/scale [B, H, G, tpb, R];
-    new is unpacked: codes [B, H, 1, D], lo/scale [B, H, 1, G]."""
+    codes uint8 [N, H, R, D] ([N, H, D, R] when channel_major); lo/scale [N, H, G, tpb, R];
+    new is unpacked: codes [B, H, 1, D], lo/scale [B, H, 1, G]; seq int32 [B]: the index on
+    the first axis that row b writes (default b, N = B; a page pool's page, `oscar_jax.paged`)."""
     tpb = 8 // bits
     rows = codes.shape[-1 if channel_major else -2]
     if rows == 0:  # a cache without history
         return codes, lo, scale
-    bidx = jnp.arange(codes.shape[0])
+    bidx = jnp.arange(new.codes.shape[0]) if seq is None else seq
     at = jnp.maximum(index, 0)
     row, slot = at // tpb, at % tpb
     row = jnp.where((index >= 0) & ok, row, rows)  # past the end: dropped
@@ -153,14 +155,37 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
     history. A row whose lengths + C would pass max_len raises outside jit; inside
     jit it is left unchanged and its `overflow` flag is set.
     """
-    spec = cache.spec
     _check_inputs("append", cache, k, v, params)
+    c = k.shape[1]
+    bits = cache.spec.quant.bits
+
+    def write_history(which, q, start, ok):
+        hist = (getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
+                getattr(cache, f"hist_scale_{which}"))
+        if c == 1:
+            codes, lo, scale = _write_history_token(*hist, q, start, ok, bits, layout.CHANNEL_MAJOR[which])
+        else:
+            write = functools.partial(_write_history, bits=bits, channel_major=layout.CHANNEL_MAJOR[which])
+            codes, lo, scale = jax.vmap(write)(*hist, q, start, jnp.where(ok, c, 0))
+        return {f"hist_codes_{which}": codes, f"hist_lo_{which}": lo, f"hist_scale_{which}": scale}
+
+    return append_with(cache, k, v, params, write_history)
+
+
+def append_with(cache, k: jax.Array, v: jax.Array, params: LayerParams, write_history):
+    """`append`'s sink and ring update, the history write left to `write_history(which, q,
+    start, ok) -> {field: array}` (which "k" or "v"; q the evicted tokens quantised, unpacked:
+    codes [B, H, C, D], lo/scale [B, H, C, G]; evicted token i goes to history index
+    start + i where that is >= 0, start int32 [B]; ok bool [B]: the row takes the append).
+    `cache` is any per-layer cache with `OscarCache`'s spec, sink_*, recent_*, lengths and
+    overflow fields (`oscar_jax.paged.PagedCache` writes its history through a block table)."""
+    spec = cache.spec
     b = spec.batch
     c = k.shape[1]
     if c > spec.window:
         raise ValueError(f"chunk C={c} must be <= window W={spec.window}")
     k = shifted_keys(k, params)
-    s0, w, bits = spec.sink, spec.window, spec.quant.bits
+    s0, w = spec.sink, spec.window
     n = cache.lengths
     ok = _check_append(spec.max_len, n, c)
     pos = n[:, None] + jnp.arange(c)[None, :]  # [B, C]
@@ -179,22 +204,14 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         evicted = jnp.moveaxis(evicted, 1, 2)  # [B, H, C, D]
         q = quant.quantize(evicted, spec.quant, clip)
         # New token i evicts history index n + i - W - S0 (kept where >= 0).
-        start = n - w - s0
-        hist = (getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
-                getattr(cache, f"hist_scale_{which}"))
-        if c == 1:
-            codes, lo, scale = _write_history_token(*hist, q, start, ok, bits, layout.CHANNEL_MAJOR[which])
-        else:
-            write = functools.partial(_write_history, bits=bits, channel_major=layout.CHANNEL_MAJOR[which])
-            codes, lo, scale = jax.vmap(write)(*hist, q, start, jnp.where(ok, c, 0))
+        hist = write_history(which, q, n - w - s0, ok)
         in_sink = (pos < s0) & ok[:, None]
         sink = sink.at[bidx, :, jnp.where(in_sink, pos, s0)].set(
             jnp.moveaxis(x_rot, 2, 1), mode="drop")
         in_ring = (pos >= s0) & ok[:, None]
         ring = ring.at[bidx, :, jnp.where(in_ring, slot, w)].set(
             jnp.moveaxis(x_rot, 2, 1), mode="drop")
-        return {f"sink_{which}": sink, f"recent_{which}": ring, f"hist_codes_{which}": codes,
-                f"hist_lo_{which}": lo, f"hist_scale_{which}": scale}
+        return {f"sink_{which}": sink, f"recent_{which}": ring, **hist}
 
     updates = {**update("k", k, params.rot_k, params.clip_k),
                **update("v", v, params.rot_v, params.clip_v)}
