@@ -128,10 +128,10 @@ _TOKEN_AXIS = {"hist_codes_k": -2, "hist_codes_v": -1, "hist_lo_k": -1, "hist_sc
                "hist_scale_v": -1}
 
 
-def _pages_of(x: jax.Array, token_axis: int, rows: int) -> jax.Array:
-    """Contiguous history x [B, H, ...] (at least rows * n packed rows on token_axis) -> its first
-    n pages [B * n, H, ...] of `rows` packed rows each, in (row, page) order."""
-    b, n = x.shape[0], x.shape[token_axis] // rows
+def _pages_of(x: jax.Array, token_axis: int, rows: int, n: int) -> jax.Array:
+    """Contiguous history x [B, H, ...] (at least n * rows packed rows on token_axis) -> its
+    first n pages [B * n, H, ...] of `rows` packed rows each, in (row, page) order."""
+    b = x.shape[0]
     t = x.ndim + token_axis
     x = jax.lax.slice_in_dim(x, 0, n * rows, axis=t)
     x = x.reshape(x.shape[:t] + (n, rows) + x.shape[t + 1:])
@@ -184,32 +184,48 @@ def write_prompt(cache: PagedCache, slots, k: jax.Array, v: jax.Array, prompt_le
 
     k, v [Bp, T, Hkv, D] post-RoPE, unrotated; prompt_lengths int32 [Bp] <= T. The prompts go
     through `updates.write_prompt` (its `implementation`s: the bulk rotate-quantise-pack
-    kernels) into a contiguous cache of ceil(T's history / page_tokens) pages, whose pages are
-    then scattered into the pool at the slots' block-table entries; the slots' sink, ring,
-    lengths and overflow are set. A slot whose table lacks a page its prompt needs raises
-    outside jit; inside jit it is flagged in `overflow`.
+    kernels) into a contiguous cache of ceil(T's history / page_tokens) pages, which `insert`
+    puts into the slots and their pages.
     """
     spec = cache.spec
     bp, t = k.shape[0], k.shape[1]
-    slots = jnp.asarray(slots, jnp.int32)
-    if slots.shape != (bp,):
-        raise ValueError(f"slots.shape={slots.shape}: expected [Bp={bp}] (one slot per prompt)")
     n_pages = int(min(pages_for(t, spec, cache.page_tokens), cache.pages_per_seq))
     part = dataclasses.replace(spec, batch=bp, max_len=spec.sink + spec.window + n_pages * cache.page_tokens)
     part = updates.write_prompt(OscarCache.init(part, stacked=False), k, v, prompt_lengths, params,
                                 implementation=implementation, interpret=interpret)
+    return insert(cache, slots, part)
+
+
+def insert(cache: PagedCache, slots, part: OscarCache) -> PagedCache:
+    """Put the rows of a contiguous one-layer cache `part` (batch Bp, the same sink, window,
+    head shape and quantiser; a history of at most pages_per_seq pages) into slots `slots`
+    int32 [Bp]: their sink, ring, lengths and overflow, and the history, page by page, into
+    the pool at the slots' block-table entries. A slot whose table lacks a page its tokens
+    need raises outside jit; inside jit it is flagged in `overflow`."""
+    spec = cache.spec
+    slots = jnp.asarray(slots, jnp.int32)
+    bp = part.spec.batch
+    if slots.shape != (bp,):
+        raise ValueError(f"slots.shape={slots.shape}: expected [Bp={bp}] (one slot per row of part)")
+    same = ("kv_heads", "head_dim", "sink", "window", "quant")
+    if part.is_stacked or any(getattr(part.spec, f) != getattr(spec, f) for f in same):
+        raise ValueError(f"insert: part's spec {part.spec} does not match this paged cache's {spec} "
+                         f"(one layer's cache with the same {', '.join(same)})")
+    rows = cache.page_tokens // spec.quant.tokens_per_byte
+    n_pages = min(part.spec.hist_capacity // cache.page_tokens, cache.pages_per_seq)
     table = cache.block_table[slots]
-    missing = _missing_pages(table, part.lengths, spec, cache.page_tokens)
-    _refuse("write_prompt", missing, "lack block-table pages their prompts need")
+    missing = _missing_pages(table[:, :n_pages], part.lengths, spec, cache.page_tokens) | (
+        pages_for(part.lengths, spec, cache.page_tokens) > n_pages)
+    _refuse("insert", missing, "lack block-table pages their tokens need")
     out = {name: getattr(cache, name).at[slots].set(getattr(part, name))
            for name in ("sink_k", "sink_v", "recent_k", "recent_v", "lengths")}
     out["overflow"] = cache.overflow.at[slots].set(part.overflow | missing)
     if n_pages:
         ids = table[:, :n_pages].reshape(-1)
         ids = jnp.where(ids >= 0, ids, cache.num_pages)  # no page: dropped
-        rows = cache.page_tokens // spec.quant.tokens_per_byte
         for name, axis in _TOKEN_AXIS.items():
-            out[name] = getattr(cache, name).at[ids].set(_pages_of(getattr(part, name), axis, rows), mode="drop")
+            pages = _pages_of(getattr(part, name), axis, rows, n_pages)
+            out[name] = getattr(cache, name).at[ids].set(pages, mode="drop")
     return dataclasses.replace(cache, **out)
 
 
@@ -321,3 +337,24 @@ dispatch.register("paged_attend", "xla", _xla_attend)
 dispatch.register("paged_attend", "pallas_tpu", attention.kernel_attend(_tpu_attention.mixed_attention, paged=True))
 dispatch.register("paged_attend", "pallas", attention.kernel_attend(_gpu_attention.mixed_attention, paged=True),
                   supports=lambda spec, queries, group: _gpu_attention.supports(spec))
+
+
+_ROW_FIELDS = ("sink_k", "sink_v", "recent_k", "recent_v", "lengths", "overflow")
+
+
+def read_slot(cache: PagedCache, slot, page_ids) -> dict[str, jax.Array]:
+    """What slot `slot` holds, to swap it out: its sink, ring, lengths and overflow, and the pages
+    `page_ids` int32 [n] (its table's entries, in order; padding ids read any page)."""
+    ids = jnp.asarray(page_ids, jnp.int32)
+    return {**{name: getattr(cache, name)[slot] for name in _ROW_FIELDS},
+            **{name: getattr(cache, name)[ids] for name in HIST_FIELDS}}
+
+
+def write_slot(cache: PagedCache, slot, page_ids, saved: dict[str, jax.Array]) -> PagedCache:
+    """Swap `saved` (`read_slot`'s) back into slot `slot` and pages `page_ids` int32 [n] (ids
+    < 0 or >= num_pages are skipped: padding); the block table is the caller's."""
+    ids = jnp.asarray(page_ids, jnp.int32)
+    ids = jnp.where(ids >= 0, ids, cache.num_pages)
+    out = {name: getattr(cache, name).at[slot].set(saved[name]) for name in _ROW_FIELDS}
+    out.update({name: getattr(cache, name).at[ids].set(saved[name], mode="drop") for name in HIST_FIELDS})
+    return dataclasses.replace(cache, **out)
