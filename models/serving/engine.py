@@ -1,4 +1,4 @@
-"""Continuous batching over a paged KV pool (docs/paged.md §3).
+"""Continuous batching over a paged KV pool (docs/paged.md §4).
 
 `Engine(model, policy, slots=..., max_len=..., page_tokens=..., num_pages=...)` decodes up to
 `slots` sequences together in one compiled step. Requests (`Request`: prompt ids, max_tokens,
