@@ -12,8 +12,10 @@ page). Every layer of a model uses the same page ids (one table, duplicated per 
 Pure functions, jit-friendly: `write_prompt` (the bulk write, through `updates.write_prompt`'s
 implementations, then each history page scattered to its pool page), `append` (decode and
 extend: the evicted tokens written into their pages), `attend` (through the block table:
-`"xla"` gathers the pages into the contiguous layout and runs the reference; `"pallas_tpu"`
-reads the pages in place). `PageAllocator` is the host-side free list an engine allocates from.
+`"xla"` gathers the pages into the contiguous layout and runs the reference; the TPU, Triton
+and Mosaic GPU kernels read the pages in place), `read_slot` / `write_slot` (a slot's rows and
+pages, to swap to host memory and back). `PageAllocator` is the host-side free list an engine
+allocates from. The design: docs/paged.md.
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ from oscar_jax.cache import STORE_DTYPE, LayerParams, OscarCache, check_params
 from oscar_jax.config import HIST_TILE, CacheSpec
 from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention
+from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention
 from oscar_jax.pallas_kernels.tpu import mixed_attention as _tpu_attention
 
 NO_PAGE = -1
-TRITON_MIN_PAGE_ROWS = 16  # the Triton kernel's smallest step of packed history rows
+# Which page sizes (packed rows a page) each attention implementation reads: the Triton
+# kernel's steps are at least 16 rows, the Mosaic GPU kernel's TMA tiles 64 rows (HIST_TILE).
+_PAGES_READ = {"xla": lambda rows: True, "pallas_tpu": lambda rows: True,
+               "pallas": lambda rows: rows >= 16 and rows & (rows - 1) == 0,
+               "pallas_mosaic_gpu": lambda rows: rows % 64 == 0}
+_PAGES_READ_TEXT = {"pallas": "a power of two >= 16 packed rows", "pallas_mosaic_gpu": "whole 64-row tiles"}
 
 
 def _static():
@@ -266,16 +274,18 @@ def attend(q: jax.Array, cache: PagedCache, params: LayerParams, *, implementati
            softmax_scale: float | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`attention.attend` over a paged cache (tokens already appended): q [B, C, Hq, D] ->
     (o [B, C, Hq, D], lse f32 [B, C, Hq]). implementation: "xla" (pages gathered, then the
-    reference), "pallas_tpu" / "pallas" (the TPU / Triton kernel reading pages through the
-    block table; Triton: pages of >= 16 packed rows), "auto"; interpret: Pallas interpret mode."""
+    reference), "pallas_tpu" / "pallas" / "pallas_mosaic_gpu" (the TPU / Triton / Mosaic GPU
+    kernel reading pages through the block table; Triton: pages of a power of two >= 16 packed
+    rows, Mosaic GPU: whole HIST_TILEs), "auto" (XLA where the page size suits no kernel);
+    interpret: Pallas interpret mode."""
     spec = cache.spec
     attention_check(q, cache, params)
     name = dispatch.resolve("paged_attend", implementation, spec, queries=q.shape[1],
                             group=q.shape[2] // spec.kv_heads, interpret=interpret)
-    if name == "pallas" and cache.page_tokens < TRITON_MIN_PAGE_ROWS * spec.quant.tokens_per_byte:
+    if not _PAGES_READ[name](cache.page_tokens // spec.quant.tokens_per_byte):
         if implementation != "auto":
-            raise ValueError(f"implementation='pallas' reads pages of >= {TRITON_MIN_PAGE_ROWS} packed rows "
-                             f"(page_tokens={cache.page_tokens}); use 'xla' or 'auto'")
+            raise ValueError(f"implementation={name!r} does not read pages of {cache.page_tokens} tokens "
+                             f"({_PAGES_READ_TEXT[name]}); use 'xla' or 'auto'")
         name = "xla"
     return dispatch.get("paged_attend", name)(q, cache, params, softmax_scale=softmax_scale, interpret=interpret)
 
@@ -337,6 +347,9 @@ dispatch.register("paged_attend", "xla", _xla_attend)
 dispatch.register("paged_attend", "pallas_tpu", attention.kernel_attend(_tpu_attention.mixed_attention, paged=True))
 dispatch.register("paged_attend", "pallas", attention.kernel_attend(_gpu_attention.mixed_attention, paged=True),
                   supports=lambda spec, queries, group: _gpu_attention.supports(spec))
+dispatch.register("paged_attend", "pallas_mosaic_gpu",
+                  attention.kernel_attend(_mgpu_attention.mixed_attention, rotates=True, paged=True),
+                  supports=_mgpu_attention.supports)
 
 
 _ROW_FIELDS = ("sink_k", "sink_v", "recent_k", "recent_v", "lengths", "overflow")

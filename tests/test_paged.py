@@ -18,6 +18,7 @@ from oscar_jax import cache as oc
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.gpu import mixed_attention as triton_attention
+from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu
 
 D, HKV, HQ, S0, W, PAGE = 32, 2, 4, 4, 8, 16
 
@@ -159,7 +160,7 @@ def test_allocator_conserves_pages(ops):
             alloc.free(owned[0][:1])
 
 
-def _triton_case(rng, *, d, page, pages_per_seq, sink, window, lengths):
+def _paged_case(rng, *, d, page, pages_per_seq, sink, window, lengths, g=HQ // HKV):
     """A paged cache written with `lengths` through a shuffled table, and its gathered view."""
     batch = len(lengths)
     spec = _spec(batch, pages_per_seq, d=d, page=page, sink=sink, window=window)
@@ -168,7 +169,7 @@ def _triton_case(rng, *, d, page, pages_per_seq, sink, window, lengths):
                      lengths)
     k, v = _kv(rng, batch, spec.max_len, d)
     pc = paged.write_prompt(pc, np.arange(batch), k, v, np.asarray(lengths, np.int32), _params(d))
-    return pc, jnp.asarray(rng.normal(size=(batch, 1, HQ, d)), jnp.float32)
+    return pc, jnp.asarray(rng.normal(size=(batch, 1, g * HKV, d)), jnp.float32)
 
 
 def _check_triton_paged(pc, q, interpret: bool):
@@ -185,7 +186,7 @@ def _check_triton_paged(pc, q, interpret: bool):
 
 def test_triton_paged_equals_contiguous_interpret():
     rng = np.random.default_rng(7)
-    pc, q = _triton_case(rng, d=64, page=64, pages_per_seq=3, sink=4, window=8, lengths=[4 + 8 + 3 * 64, 100])
+    pc, q = _paged_case(rng, d=64, page=64, pages_per_seq=3, sink=4, window=8, lengths=[4 + 8 + 3 * 64, 100])
     _check_triton_paged(pc, q, interpret=True)
 
 
@@ -210,6 +211,54 @@ def test_triton_paged_lowers_for_cuda():
 def test_triton_paged_equals_contiguous_on_gpu():
     """Compiled: production sink/window, pages of 256 tokens, a ragged batch."""
     rng = np.random.default_rng(8)
-    pc, q = _triton_case(rng, d=128, page=256, pages_per_seq=8, sink=64, window=256,
+    pc, q = _paged_case(rng, d=128, page=256, pages_per_seq=8, sink=64, window=256,
                          lengths=[64 + 256 + 8 * 256, 1000, 321, 1])
     _check_triton_paged(pc, q, interpret=False)
+
+
+def _check_mgpu_paged(pc, q, interpret: bool):
+    """The Mosaic GPU kernel through the block table == the same kernel over the gathered cache
+    (the same schedule: the work line is the contiguous one's)."""
+    kw = dict(sink=pc.spec.sink, window=pc.spec.window, bits=2, levels=pc.spec.quant.levels,
+              softmax_scale=pc.spec.head_dim ** -0.5, interpret=interpret)
+    o, lse = mixed_attention_mgpu.mixed_attention(q, layout.CacheArrays.of(pc), block_table=pc.block_table, **kw)
+    o_ref, lse_ref = mixed_attention_mgpu.mixed_attention(q, layout.CacheArrays.of(paged.gather(pc)), **kw)
+    np.testing.assert_array_equal(o, o_ref)
+    np.testing.assert_array_equal(lse, lse_ref)
+
+
+def test_mgpu_paged_equals_contiguous_interpret():
+    """Pages of one 256-token tile (the TMA tile), shuffled; a full row and a ragged one."""
+    rng = np.random.default_rng(9)
+    pc, q = _paged_case(rng, d=64, page=256, pages_per_seq=2, sink=64, window=64, lengths=[64 + 64 + 512, 300],
+                        g=4)
+    _check_mgpu_paged(pc, q, interpret=True)
+
+
+def test_mgpu_paged_lowers_for_cuda():
+    """Mosaic GPU's sm_90 checks (layouts, wgmma, TMA) accept the block-table reads: B4 Hkv4 at
+    8K in pages of 256 tokens."""
+    from test_gpu_kernels import _lower_for_h200
+
+    b, hkv, d, g, per_seq, rows, sink, window = 4, 4, 128, 4, 32, 64, 64, 256
+    pages = b * per_seq
+    sds = jax.ShapeDtypeStruct
+    bf, u8 = jnp.bfloat16, jnp.uint8
+    args = (sds((b, 1, hkv * g, d), jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),
+            sds((pages, hkv, rows, d), u8), sds((pages, hkv, d, rows), u8), *[sds((pages, hkv, 1, 4, rows), bf)] * 4,
+            sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32),
+            sds((b, per_seq), jnp.int32))
+    _lower_for_h200(lambda q, *cache: mixed_attention_mgpu.mixed_attention(
+        q, layout.CacheArrays(*cache[:-1]), block_table=cache[-1], sink=sink, window=window, bits=2,
+        levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5), args)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_mgpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_mgpu_paged_equals_contiguous_on_gpu():
+    """Compiled on Hopper: production sink/window, 256-token pages shuffled, a ragged batch."""
+    rng = np.random.default_rng(10)
+    pc, q = _paged_case(rng, d=128, page=256, pages_per_seq=16, sink=64, window=256,
+                        lengths=[64 + 256 + 16 * 256, 3000, 321, 1], g=4)
+    _check_mgpu_paged(pc, q, interpret=False)
