@@ -348,7 +348,7 @@ def held_bytes(state: KVState) -> float:
 
 def capacity(state: KVState) -> int | None:
     """The most tokens a sequence of this state can hold (None: unbounded, rings only)."""
-    caps = [layer.cache.spec.max_len if isinstance(layer, OscarLayer) else layer.k.shape[1]
+    caps = [layer.cache.spec.max_len if isinstance(layer, (OscarLayer, PagedLayer)) else layer.k.shape[1]
             for layer in state.layers if not isinstance(layer, oc.RingCache)]
     return min(caps) if caps else None
 
@@ -376,7 +376,7 @@ def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, st
         return jax.sharding.NamedSharding(mesh, spec)
 
     def layer_shardings(layer):
-        if isinstance(layer, OscarLayer):
+        if isinstance(layer, (OscarLayer, PagedLayer)):
             return dataclasses.replace(layer, cache=sharding.shardings(layer.cache, mesh, rules),
                                        params=sharding.shardings(layer.params, mesh, rules))
         if isinstance(layer, oc.RingCache):
@@ -394,6 +394,6 @@ def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, st
 def nbytes(state: KVState) -> int:
     """Bytes allocated by the KV caches (all layers, full capacity; rotations excluded)."""
     def layer_bytes(layer):
-        layer = layer.cache if isinstance(layer, OscarLayer) else layer
+        layer = layer.cache if isinstance(layer, (OscarLayer, PagedLayer)) else layer
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
     return sum(layer_bytes(layer) for layer in state.layers)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from oscar_jax import paged, reference, rotation, updates
+from oscar_jax import paged, reference, rotation, sharding, updates
 from oscar_jax import cache as oc
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
@@ -262,3 +262,32 @@ def test_mgpu_paged_equals_contiguous_on_gpu():
     pc, q = _paged_case(rng, d=128, page=256, pages_per_seq=16, sink=64, window=256,
                         lengths=[64 + 256 + 16 * 256, 3000, 321, 1], g=4)
     _check_mgpu_paged(pc, q, interpret=False)
+
+
+def test_sharded_paged_step_equals_one_device():
+    """A jitted append + attend over a paged cache sharded on 8 host devices (slots over
+    `data`, KV heads over `model`, the pool's pages replicated) equals the one-device step."""
+    assert jax.device_count() == 8, "tests/conftest.py sets 8 host devices"
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    rng = np.random.default_rng(11)
+    hkv = 4
+    spec = CacheSpec(1, 2, hkv, D, S0 + W + 2 * PAGE, S0, W)
+    rot = rotation.hadamard(D)
+    params = oc.LayerParams.create(rot, rot, 0.96, 0.92, num_layers=1, kv_heads=hkv).layer(0)
+    pc = dataclasses.replace(paged.PagedCache.init(spec, PAGE, 5), block_table=jnp.asarray([[3, 0], [4, 1]], jnp.int32))
+    kv = lambda t: tuple(jnp.asarray(rng.normal(size=(2, t, hkv, D)), jnp.float32) for _ in range(2))
+    pc = paged.write_prompt(pc, np.arange(2), *kv(30), np.array([30, 21], np.int32), params)
+    k, v = kv(1)
+    q = jnp.asarray(rng.normal(size=(2, 1, 2 * hkv, D)), jnp.float32)
+
+    def step(cache, k, v, q):
+        cache = paged.append(cache, k, v, params)
+        return paged.attend(q, cache, params, implementation="xla")[0], cache
+
+    want, want_cache = jax.jit(step)(pc, k, v, q)
+    placed = jax.device_put(pc, sharding.shardings(pc, mesh))
+    assert placed.hist_codes_k.sharding.spec == jax.sharding.PartitionSpec(None, "model", None, None)
+    got, got_cache = jax.jit(step, out_shardings=(None, sharding.shardings(pc, mesh)))(placed, k, v, q)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for name in paged.HIST_FIELDS:
+        np.testing.assert_array_equal(getattr(got_cache, name), getattr(want_cache, name))
