@@ -54,16 +54,18 @@ def _requests() -> list[Request]:
     return reqs
 
 
-def _engine(model, policy) -> Engine:
-    return Engine(model, policy, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, num_pages=NUM_PAGES)
+def _engine(model, policy, chunk: int | None) -> Engine:
+    return Engine(model, policy, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, num_pages=NUM_PAGES,
+                  prefill_chunk=chunk)
 
 
-@pytest.mark.parametrize("model_name,policy_name", [("llama", "oscar"), ("local-global", "oscar"),
-                                                    ("llama", "fp8")])
-def test_engine_output_equals_request_alone(model_name, policy_name):
+@pytest.mark.parametrize("model_name,policy_name,chunk", [("llama", "oscar", None), ("local-global", "oscar", 4),
+                                                          ("llama", "fp8", None)])
+def test_engine_output_equals_request_alone(model_name, policy_name, chunk):
+    """chunk: prompts enter in a first prefill of 1..4 tokens, then chunks of 4 between decode steps."""
     model, policy = MODELS[model_name](), POLICIES[policy_name]
     reqs = _requests()
-    engine = _engine(model, policy)
+    engine = _engine(model, policy, chunk)
     ids = [engine.submit(r) for r in reqs[:3]]
     with pytest.raises(ValueError, match="can never fit: a prompt of 70 tokens plus max_tokens=10 needs 79"):
         engine.submit(Request((1,) * 70, 10))
@@ -76,15 +78,33 @@ def test_engine_output_equals_request_alone(model_name, policy_name):
         assert engine.scheduler.allocator.num_free == NUM_PAGES
     warm = engine.compiles
     for i, req in zip(ids, reqs):
-        alone = _engine(model, policy)
+        alone = _engine(model, policy, chunk)
         alone.submit(req)
         assert alone.run()[0] == together[i], f"request {i}"
         assert alone.compiles == 0, "a request alone compiled a new program after the warm-up"
     assert warm > 0
     for i, req in zip(ids, reqs):
         if req.temperature == 0 and not req.stop_ids:
-            want = gen.generate(model, policy, [list(req.prompt)], max_new_tokens=req.max_tokens, eos_ids=())
-            assert together[i].tokens == want.tokens[0], f"request {i} against generate"
+            assert together[i].tokens == _contiguous(model, policy, req, chunk), f"request {i} against generate"
+
+
+def _contiguous(model, policy, req: Request, chunk: int | None) -> list[int]:
+    """Greedy tokens of `req` through `generate` on a contiguous one-row cache: `generate.generate`,
+    or with chunk: prefill of the first 1..chunk tokens, extend chunks, then one-token extends."""
+    if chunk is None:
+        return gen.generate(model, policy, [list(req.prompt)], max_new_tokens=req.max_tokens, eos_ids=()).tokens[0]
+    n = len(req.prompt)
+    head = n - (n - 1) // chunk * chunk
+    kv = gen.init_state(model, policy, 1, n + req.max_tokens, chunk)
+    logits, kv = gen.prefill(model, kv, np.array([req.prompt[:head]]), np.array([head]))
+    for i in range(head, n, chunk):
+        chunk_logits, kv = gen.extend(model, kv, np.array([req.prompt[i:i + chunk]]))
+        logits = chunk_logits[:, -1]
+    out = [int(np.argmax(logits[0]))]
+    while len(out) < req.max_tokens:
+        step_logits, kv = gen.extend(model, kv, np.array([[out[-1]]]))
+        out.append(int(np.argmax(step_logits[0, -1])))
+    return out
 
 
 def test_request_never_fitting_the_pool_is_refused():

@@ -12,7 +12,11 @@ every running sequence; `run` steps until every request is done.
   their caches per slot (admission by slots only).
 - Prefill: one prompt at a time, right-padded to a bucket length (powers of two), through
   `generate.prefill` into a one-row cache of the policy, then inserted into the request's slot
-  and pages (`paged.insert`); its last logits give the first token.
+  and pages (`paged.insert`); its last logits give the first token. With `prefill_chunk=C`
+  the prompt's first 1..C tokens are prefilled so and the rest enters in chunks of C through
+  `generate.extend` (each chunk attends to itself in the bf16 ring and to the earlier chunks
+  through the cache), `chunks_per_step` chunks a step over the prefilling requests, first come
+  first served, between decode steps; the row is inserted after its last chunk.
 - Sampling: temperature, top_p and the seed are per-row arrays of the one compiled step (not
   static arguments); token i of a request draws with `fold_in(key(seed), i)`, so a request's
   tokens do not depend on what else runs beside it.
@@ -154,18 +158,23 @@ class Engine:
 
     policy: a `kv_policy.QuantPolicy` (paged full-attention layers) or `DensePolicy`; slots: the
     compiled decode batch; max_len: tokens a slot holds at most (rounded up to whole pages);
-    page_tokens, num_pages: the pool (OSCAR policies); min_bucket: the shortest prefill length.
+    page_tokens, num_pages: the pool (OSCAR policies); min_bucket: the shortest prefill length;
+    prefill_chunk, chunks_per_step: chunked prefill (module docstring; C <= the policy's window).
     """
 
     def __init__(self, model, policy, *, slots: int, max_len: int, page_tokens: int = 256,
-                 num_pages: int | None = None, min_bucket: int = 16):
+                 num_pages: int | None = None, min_bucket: int = 16, prefill_chunk: int | None = None,
+                 chunks_per_step: int = 1):
         if model.values_folded:
             raise ValueError("Engine serves unfolded decoders (decoder.fold_values's pair is not supported yet)")
         cfg = model.cfg
         self.model, self.policy, self.slots = model, policy, slots
+        if prefill_chunk is not None and (prefill_chunk < 1 or chunks_per_step < 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk}, chunks_per_step={chunks_per_step}: expected >= 1")
+        self.chunk, self.chunks_per_step = prefill_chunk, chunks_per_step
         self.paged = isinstance(policy, kv_policy.QuantPolicy) and cfg.count(kv_policy.FULL) > 0
         if self.paged:
-            spec = policy.cache_spec(cfg, slots, max_len)
+            spec = policy.cache_spec(cfg, slots, max_len, self._chunk)
             self.page_tokens = page_tokens
             paged.check_page_tokens(spec, page_tokens)
             pages_per_seq = int(paged.pages_for(spec.max_len, spec, page_tokens))
@@ -185,6 +194,7 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._next_token: dict[int, int] = {}
         self._swapped: dict[int, object] = {}
+        self._prefilling: dict[int, tuple[kv_policy.KVState, int]] = {}  # rid -> (one-row state, tokens in)
         self.pages_used: list[int] = []  # pages in use after each step
         self.preemptions = 0
         self._compiles_at_start = _COMPILES[0]
@@ -194,23 +204,28 @@ class Engine:
         """Compilations (any program, this engine's or not) since the engine was made."""
         return _COMPILES[0] - self._compiles_at_start
 
+    @property
+    def _chunk(self) -> int:
+        """The extend chunk the caches are laid out for (1 without chunked prefill)."""
+        return self.chunk or 1
+
     def _pages_for(self, length: int) -> int:
         return int(paged.pages_for(length, self._spec, self.page_tokens))
 
     def _init_state(self) -> kv_policy.KVState:
         cfg, policy = self.model.cfg, self.policy
         if not self.paged:
-            return generate.init_state(self.model, policy, self.slots, self.capacity)
+            return generate.init_state(self.model, policy, self.slots, self.capacity, self._chunk)
         params = policy.params(cfg)
         layers, j = [], 0
         for kind in cfg.layer_types:
             if kind == kv_policy.FULL:
-                spec = policy.cache_spec(cfg, self.slots, self.capacity, 1, j)
+                spec = policy.cache_spec(cfg, self.slots, self.capacity, self._chunk, j)
                 layers.append(kv_policy.PagedLayer(paged.PagedCache.init(spec, self.page_tokens, self.num_pages),
                                                    jax.tree.map(jnp.copy, params.layer(j)), policy.implementation))
                 j += 1
             else:
-                layers.append(kv_policy.ring_layer(cfg, self.slots, 1))
+                layers.append(kv_policy.ring_layer(cfg, self.slots, self._chunk))
         return kv_policy.KVState(tuple(layers), jnp.zeros((self.slots,), jnp.int32))
 
     # ------------------------------------------------------------------ requests
@@ -246,6 +261,7 @@ class Engine:
         then one decode step of every running sequence."""
         for event in self.scheduler.schedule():
             self._apply(event)
+        self._prefill_chunks()
         running = [s for s in self.scheduler.running if s.rid in self._next_token]
         if running:
             b = self.slots
@@ -273,15 +289,18 @@ class Engine:
         seq = event.seq
         if event.kind == "grow":
             self._set_table(seq.slot, seq.pages)
-        elif event.kind == "swap_out":
+        elif event.kind == "swap_out":  # a prefilling sequence's tokens are all in its one-row state
             ids = self._padded(event.old_pages)
-            self._swapped[seq.rid] = jax.device_get(_read_slot(self.state, event.old_slot, ids))
+            self._swapped[seq.rid] = None if seq.rid in self._prefilling else jax.device_get(
+                _read_slot(self.state, event.old_slot, ids))
             self.tables[event.old_slot] = paged.NO_PAGE
             self.preemptions += 1
         elif event.kind == "swap_in":
             self._set_table(seq.slot, seq.pages)
-            self.state = _write_slot(self.state, self._swapped.pop(seq.rid), seq.slot, self._padded(seq.pages, -1),
-                                     jnp.asarray(self.tables))
+            saved = self._swapped.pop(seq.rid)
+            if saved is not None:
+                self.state = _write_slot(self.state, saved, seq.slot, self._padded(seq.pages, -1),
+                                         jnp.asarray(self.tables))
         elif event.kind == "admit":
             self._set_table(seq.slot, seq.pages)
             self._prefill(seq)
@@ -291,16 +310,46 @@ class Engine:
         ids[:len(pages)] = pages
         return jnp.asarray(ids)
 
+    def _bucket(self, n: int) -> int:
+        return next(t for t in self.buckets if t >= n)
+
     def _prefill(self, seq: Sequence) -> None:
+        """Prefill seq's prompt (its first 1..C tokens when chunked; `_prefill_chunks` does the rest)."""
         req = self.requests[seq.rid]
         n = len(req.prompt)
-        bucket = next(t for t in self.buckets if t >= n)
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :n] = req.prompt
+        head = n if self.chunk is None else n - (n - 1) // self.chunk * self.chunk
+        bucket = self._bucket(n)
         rows = self._pages_for(bucket) * self.page_tokens + self._spec.sink + self._spec.window if self.paged \
             else bucket
-        part = generate.init_state(self.model, self.policy, 1, rows)
-        logits, part = generate.prefill(self.model, part, tokens, np.array([n], np.int32))
+        tokens = np.zeros((1, self._bucket(head)), np.int32)
+        tokens[0, :head] = req.prompt[:head]
+        part = generate.init_state(self.model, self.policy, 1, rows, self._chunk)
+        logits, part = generate.prefill(self.model, part, tokens, np.array([head], np.int32))
+        if head < n:
+            self._prefilling[seq.rid] = (part, head)
+        else:
+            self._enter(seq, part, logits)
+
+    def _prefill_chunks(self) -> None:
+        """Up to `chunks_per_step` prompt chunks of the prefilling sequences that hold a slot."""
+        budget = self.chunks_per_step
+        for rid in list(self._prefilling):
+            seq = self._seqs[rid]
+            while budget and seq.slot is not None and rid in self._prefilling:
+                part, done = self._prefilling[rid]
+                prompt = self.requests[rid].prompt
+                logits, part = generate.extend(self.model, part, np.asarray([prompt[done:done + self.chunk]], np.int32))
+                budget -= 1
+                done += self.chunk
+                if done < len(prompt):
+                    self._prefilling[rid] = (part, done)
+                else:
+                    del self._prefilling[rid]
+                    self._enter(seq, part, logits[:, -1])
+
+    def _enter(self, seq: Sequence, part: kv_policy.KVState, logits: jax.Array) -> None:
+        """Insert seq's prefilled one-row state into its slot; its first token from `logits` [1, V]."""
+        req = self.requests[seq.rid]
         self.state = _insert(self.state, part, jnp.int32(seq.slot), jnp.asarray(self.tables))
         first = _sample(logits, jnp.asarray([req.temperature], jnp.float32), jnp.asarray([req.top_p], jnp.float32),
                         jnp.asarray([req.seed], jnp.int32), jnp.zeros((1,), jnp.int32))
