@@ -188,16 +188,17 @@ def _online_update(state, scores, values_fn):
 def _kernel(lengths_ref, table_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref,
             lo_k_ref, scale_k_ref, lo_v_ref, scale_v_ref, recent_k_ref, recent_v_ref,
             o_ref, lse_ref, *, g, c, sink, window, bits, levels, mult, offset, num_groups,
-            hist_rows, split_rows, num_hist_splits, page_rows, blocks: BlockSizes, interpret: bool):
+            hist_rows, split_rows, num_hist_splits, pages, blocks: BlockSizes, interpret: bool):
     b, h, mb, split = (pl.program_id(i) for i in range(4))
 
     def locate(r0):
         """(first index, row) of history row r0 of this program's sequence: (b, r0), or through
         the block table when paged (a step's rows never straddle a page)."""
-        if page_rows is None:
+        if pages is None:
             return b, r0
+        per_seq, page_rows = pages
         j = r0 // page_rows
-        return jnp.maximum(table_ref[b, j], 0), r0 - j * page_rows
+        return jnp.maximum(table_ref[b * per_seq + j], 0), r0 - j * page_rows
 
     bm, d = q_ref.shape
     gs = d // num_groups
@@ -410,11 +411,14 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
     kernel = functools.partial(
         _kernel, g=g, c=c, sink=sink, window=window, bits=bits, levels=tuple(levels),
         mult=enc[0], offset=enc[1], num_groups=num_groups, hist_rows=hist_rows,
-        split_rows=split_rows, num_hist_splits=num_hist_splits, page_rows=page_rows, blocks=blocks,
+        split_rows=split_rows, num_hist_splits=num_hist_splits, blocks=blocks,
+        pages=None if page_rows is None else (block_table.shape[1], page_rows),
         interpret=interpret)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     splits = num_hist_splits + 1
-    table = jnp.zeros((1, 1), jnp.int32) if block_table is None else block_table.astype(jnp.int32)
+    # The block table flat, padded to a power of two (the lengths of Triton's blocks).
+    table = jnp.zeros((1,), jnp.int32) if block_table is None else block_table.reshape(-1).astype(jnp.int32)
+    table = jnp.pad(table, (0, (1 << (table.size - 1).bit_length()) - table.size))
     arrays = (lengths.astype(jnp.int32), table, q, sink_k, sink_v, hist_codes_k, hist_codes_v,
               hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v, recent_k, recent_v)
     in_specs = [full(arrays[0]), full(table), pl.BlockSpec((None, None, bm, d), lambda i, j, k, s: (i, j, k, 0))]
