@@ -186,8 +186,8 @@ class Engine:
             self.capacity, self.num_pages, self._spec = max_len, 0, None
             self.tables = np.full((slots, 1), paged.NO_PAGE, np.int32)
         self.scheduler = Scheduler(slots, self.num_pages, self._pages_for, self.capacity)
-        self.buckets = tuple(sorted({min(max(min_bucket, 1 << (n - 1).bit_length()), self.capacity)
-                                     for n in range(1, self.capacity + 1)}))
+        powers = (1 << i for i in range(max(min_bucket - 1, 0).bit_length(), self.capacity.bit_length()))
+        self.buckets = tuple(t for t in powers if t < self.capacity) + (self.capacity,)  # prefill lengths
         self.state = self._init_state()
         self.requests: dict[int, Request] = {}
         self.results: dict[int, Result] = {}
