@@ -2,12 +2,13 @@
 pages shared by every sequence slot, read and written through per-slot block tables; each
 slot keeps its own bf16 sink and recent ring.
 
-`PagePool` holds one layer's pages: page p's codes and metadata are the history layout of
-`OscarCache` (docs/ARCHITECTURE.md §3) for `page_tokens` consecutive history tokens, with the
-page on the leading axis in place of the batch. `PagedCache` holds the pool, the slots' sink,
-ring, lengths and overflow flags, and `block_table` int32 [B, pages_per_seq]: history token i
-of slot b lies in page `block_table[b, i // page_tokens]` at index `i % page_tokens` (-1: no
-page). Every layer of a model uses the same page ids (one table, duplicated per layer).
+`PagedCache` holds one layer's pool of pages in its history fields (page p's codes and
+metadata are the history layout of `OscarCache`, docs/ARCHITECTURE.md §3, for `page_tokens`
+consecutive history tokens, with the page on the leading axis in place of the batch), the
+slots' sink, ring, lengths and overflow flags, and `block_table` int32 [B, pages_per_seq]:
+history token i of slot b lies in page `block_table[b, i // page_tokens]` at index
+`i % page_tokens` (-1: no page). Every layer of a model uses the same page ids (one table,
+duplicated per layer).
 
 Pure functions, jit-friendly: `write_prompt` (the bulk write, through `updates.write_prompt`'s
 implementations, then each history page scattered to its pool page), `append` (decode and
