@@ -72,7 +72,8 @@ class Request:
 
 @dataclasses.dataclass
 class Result:
-    """tokens: generated ids; finish: "length" (max_tokens reached) or "stop" (a stop id)."""
+    """tokens: generated ids; finish: "length" (max_tokens reached), "stop" (a stop id) or
+    "cancelled" (`Engine.cancel`)."""
 
     tokens: list[int]
     finish: str | None = None
@@ -195,6 +196,7 @@ class Engine:
         self._next_token: dict[int, int] = {}
         self._swapped: dict[int, object] = {}
         self._prefilling: dict[int, tuple[kv_policy.KVState, int]] = {}  # rid -> (one-row state, tokens in)
+        self._empty_parts: dict[int, kv_policy.KVState] = {}  # prefill rows -> an empty one-row state
         self.pages_used: list[int] = []  # pages in use after each step
         self.preemptions = 0
         self._compiles_at_start = _COMPILES[0]
@@ -243,6 +245,20 @@ class Engine:
         self.requests[rid] = request
         self.results[rid] = Result([])
         return rid
+
+    def cancel(self, rid: int) -> None:
+        """Stop request `rid` now (a client went away): its slot and pages are freed, its result
+        keeps the tokens so far with finish "cancelled". A finished request is left as it is."""
+        seq, result = self._seqs[rid], self.results[rid]
+        if result.finish is not None:
+            return
+        if seq.slot is not None:
+            self.tables[seq.slot] = paged.NO_PAGE
+        self.scheduler.cancel(seq)
+        self._next_token.pop(rid, None)
+        self._prefilling.pop(rid, None)
+        self._swapped.pop(rid, None)
+        result.finish = "cancelled"
 
     def done(self) -> bool:
         s = self.scheduler
@@ -323,7 +339,9 @@ class Engine:
             else bucket
         tokens = np.zeros((1, self._bucket(head)), np.int32)
         tokens[0, :head] = req.prompt[:head]
-        part = generate.init_state(self.model, self.policy, 1, rows, self._chunk)
+        if rows not in self._empty_parts:  # building a state costs far more than copying one
+            self._empty_parts[rows] = generate.init_state(self.model, self.policy, 1, rows, self._chunk)
+        part = jax.tree.map(jnp.copy, self._empty_parts[rows])  # prefill donates it
         logits, part = generate.prefill(self.model, part, tokens, np.array([head], np.int32))
         if head < n:
             self._prefilling[seq.rid] = (part, head)

@@ -150,5 +150,14 @@ class Scheduler:
         self._free_slots.sort()
         seq.slot, seq.pages = None, []
 
+    def cancel(self, seq: Sequence) -> None:
+        """Drop seq wherever it is (waiting, running or swapped out); its slot and pages are free."""
+        if seq in self.running:
+            self.finish(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+
     def pages_in_use(self) -> int:
         return sum(len(s.pages) for s in self.running)
