@@ -34,7 +34,8 @@ def _root() -> None:
 
 # Modules that register more commands on `app` (e.g. "oscar_jax.models.calibration").
 COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.models.evaluate",
-                                     "oscar_jax.models.needle", "oscar_jax.models.bench")
+                                     "oscar_jax.models.needle", "oscar_jax.models.bench",
+                                     "oscar_jax.models.serving.cli")
 
 
 def fail(message: str) -> NoReturn:
