@@ -4,7 +4,8 @@
     python bench/load_test.py --base http://127.0.0.1:8000 --model smollm2 --prompt-tokens 64,256 \\
         --max-tokens 64 --levels 1,2,4,8,16 --duration 60
 
-Each level runs `concurrency` clients (the `openai` async client, streaming, `include_usage`)
+After one warm-up request per prompt-length bucket (so no level times a compilation), each
+level runs `concurrency` clients (the `openai` async client, streaming, `include_usage`)
 for `duration` seconds; each client sends completions back to back, a prompt of random token
 ids of a length uniform in the --prompt-tokens range and --max-tokens output tokens (greedy,
 no stop). A level records requests, errors (any non-200 or broken stream, by status), output
@@ -83,6 +84,15 @@ async def level(base: str, model: str, concurrency: int, duration: float, prompt
             "tpot_p99_s": pct(tpot, 99), "prompt_tokens": list(prompt_tokens), "max_tokens": max_tokens}
 
 
+async def warm_up(base: str, model: str, lo: int, hi: int, vocab: int) -> None:
+    """One short request at lo, hi and every power of two between: the server compiles its
+    prefill buckets before any level is timed."""
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=900)
+    lengths = sorted({lo, hi, *(1 << i for i in range(lo.bit_length(), hi.bit_length()))})
+    for n in lengths:
+        await _one(client, model, [1] * n, 2)
+
+
 def plot(rows: list[dict], title: str, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -119,6 +129,7 @@ def main(argv=None) -> None:
         sys.exit(f"--levels {args.levels!r}: expected 1-5 positive counts; --prompt-tokens {args.prompt_tokens!r}: "
                  "expected LO,HI with 1 <= LO <= HI")
     health = httpx.get(f"{args.base}/health", timeout=10).json()
+    asyncio.run(warm_up(args.base, args.model, lo, hi, args.vocab))
     rows = []
     for i, c in enumerate(levels):
         row = asyncio.run(level(args.base, args.model, c, args.duration, (lo, hi), args.max_tokens, args.vocab, i))
