@@ -7,8 +7,7 @@ from pathlib import Path
 
 import typer
 
-from oscar_jax.models.cli import (app, check_implementation, console, fail, load_calibration, load_model,
-                                  model_config)
+from oscar_jax.models.cli import app, check_implementation, console, fail, kv_policy_for, load_model, model_config
 
 
 @app.command()
@@ -34,7 +33,7 @@ def serve(
     import jax.numpy as jnp
     import uvicorn
 
-    from oscar_jax.models import kv_policy, registry, tokenizer as tokenizer_lib
+    from oscar_jax.models import registry, tokenizer as tokenizer_lib
     from oscar_jax.models.serving import Engine, api, server
 
     if dtype not in ("float32", "bfloat16"):
@@ -47,16 +46,7 @@ def serve(
     if max_len is not None and cfg.max_position and max_len > cfg.max_position:
         fail(f"--max-len {max_len}: the model's context is {cfg.max_position} tokens")
     max_len = max_len or context
-    if rotations:
-        try:
-            policy = load_calibration(rotations, cfg, implementation)
-        except ValueError as e:
-            fail(f"--rotations {rotations}: {e}")
-    else:
-        try:
-            policy = kv_policy.make_policy(kv, implementation=implementation)
-        except ValueError:
-            fail(f"--kv {kv!r}: expected one of {', '.join(kv_policy.POLICIES)}")
+    policy = kv_policy_for(kv, rotations, cfg, implementation)
     decoder, tokenizer = load_model(model, dtype=jnp.dtype(dtype), random_weights=random_weights)
     if tokenizer is None:
         fail(f"--model {model}: no tokenizer (random weights or an HF directory without tokenizer.json); "
