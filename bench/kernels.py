@@ -24,6 +24,12 @@ sum over 4 GiB, `copy_GBps` a device-to-device copy (read + write), both in the 
     python bench/kernels.py                                    # every shape and the bulk write
     python bench/kernels.py --shapes b8-128k,b8-32k --no-write
     python bench/kernels.py --markdown bench/results/h200/decode_attention.json  # a table, no GPU
+    python bench/kernels.py --shapes b8-128k --no-write --paged 256 --name decode_attention_paged
+
+--paged PAGE_TOKENS also times the same contents as a paged cache (`oscar_jax.paged`: pages
+of PAGE_TOKENS tokens, block tables a random permutation of the pool) through the Mosaic GPU
+and Triton kernels' block-table reads (`paged_mgpu_*`, `paged_triton_*`), and each against its
+contiguous run (`paged_mgpu_vs_contiguous` = paged time / contiguous time).
 
 Writes bench/results/<device>/decode_attention.json (--name) and bulk_write.json (the schema of
 `oscar_jax.models.results`; set OSCAR_COMMIT where the tree has no .git), each saved after
@@ -48,7 +54,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from oscar_jax import attention  # noqa: E402
+from oscar_jax import attention, paged  # noqa: E402
 from oscar_jax import cache as cache_lib  # noqa: E402
 from oscar_jax import updates  # noqa: E402
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element  # noqa: E402
@@ -235,9 +241,23 @@ def n_copies(nbytes: int, device: Device) -> int:
     return max(2, min(16, math.ceil(3 * device.l2_bytes / nbytes)))
 
 
-def bench_shape(name: str, reps: int, device: Device, row: dict, saved=lambda: None) -> dict:
+def paged_like(cache, page_tokens: int, seed: int) -> paged.PagedCache:
+    """`cache`'s contents as a paged cache: pages of `page_tokens`, each row's pages a random
+    draw from a pool of exactly the pages needed (B * pages a row)."""
+    spec = cache.spec
+    per_seq = spec.hist_capacity // page_tokens
+    pspec = dataclasses.replace(spec, max_len=spec.sink + spec.window + per_seq * page_tokens)
+    table = np.random.default_rng(seed).permutation(spec.batch * per_seq).reshape(spec.batch, per_seq)
+    empty = dataclasses.replace(paged.PagedCache.init(pspec, page_tokens, spec.batch * per_seq),
+                                block_table=jnp.asarray(table, jnp.int32))
+    return jax.jit(paged.insert)(empty, jnp.arange(spec.batch), cache)
+
+
+def bench_shape(name: str, reps: int, device: Device, row: dict, saved=lambda: None,
+                page_tokens: int | None = None) -> dict:
     """Time one shape's row into `row` (returned), calling saved() after every op timed, so
-    that a run cut off by a time limit keeps the columns it measured."""
+    that a run cut off by a time limit keeps the columns it measured. page_tokens: also time
+    the paged kernels over the same contents (the module docstring)."""
     shape = SHAPES[name]
     g = shape.q_heads // shape.kv_heads
     cache, params, k, v = build_oscar(shape, jax.random.key(sorted(SHAPES).index(name)))
@@ -250,14 +270,14 @@ def bench_shape(name: str, reps: int, device: Device, row: dict, saved=lambda: N
                 "oscar_bytes": nbytes, "bf16_bytes": bf16_nbytes, "v_folded": params.v_folded,
                 "auto": attention.resolve("auto", cache.spec, 1, g, backend="gpu")})
 
-    def time_oscar(prefix: str, implementation: str) -> None:
+    def time_oscar(prefix: str, implementation: str, attend=attention.attend, copies=oscar_copies) -> None:
         """attend(implementation) over the copies: its GPU time -> row[prefix + "_ms"], its
         kernels' own time -> row[prefix + "_kernels_us"], its wall-clock time and GB/s."""
-        run = unrolled(lambda qq, c: attention.attend(qq, c, params, implementation=implementation))
-        timed = device_time(run, oscar_copies, reps)
+        run = unrolled(lambda qq, c: attend(qq, c, params, implementation=implementation))
+        timed = device_time(run, copies, reps)
         row[f"{prefix}_ms"] = timed["span_ms"]
         row[f"{prefix}_kernels_us"] = {kernel: ms * 1e3 for kernel, ms in timed["kernels"].items()}
-        row[f"{prefix}_wall_ms"] = wall_time(run, oscar_copies, reps) * 1e3
+        row[f"{prefix}_wall_ms"] = wall_time(run, copies, reps) * 1e3
         row[f"{prefix}_GBps"] = nbytes / timed["span_ms"] * 1e-6
         saved()
 
@@ -272,6 +292,19 @@ def bench_shape(name: str, reps: int, device: Device, row: dict, saved=lambda: N
     auto = "mgpu" if row["auto"] == "pallas_mosaic_gpu" else "triton"
     if f"{auto}_ms" in row:
         row["auto_ms"], row["auto_GBps"] = row[f"{auto}_ms"], row[f"{auto}_GBps"]
+    if page_tokens:
+        paged_copies = [(qq, paged_like(c, page_tokens, i)) for i, (qq, c) in enumerate(oscar_copies)]
+        row["page_tokens"] = page_tokens
+        for prefix, implementation in (("mgpu", "pallas_mosaic_gpu"), ("triton", "pallas")):
+            if f"{prefix}_ms" not in row:
+                continue
+            try:
+                time_oscar(f"paged_{prefix}", implementation, paged.attend, paged_copies)
+                row[f"paged_{prefix}_vs_contiguous"] = row[f"paged_{prefix}_ms"] / row[f"{prefix}_ms"]
+            except Exception as e:  # noqa: BLE001 - record a compile failure, time the rest
+                row[f"paged_{prefix}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            saved()
+        del paged_copies
     row["xla_dequant_ms"] = time_group(
         unrolled(lambda qq, c: attention.attend(qq, c, params, implementation="xla")),
         oscar_copies[:2], max(5, reps // 10)) * 1e3
@@ -420,6 +453,8 @@ def main(argv=None):
     p.add_argument("--name", default="decode_attention",
                    help="file name (without .json) of the decode-attention record; the bulk write's is bulk_write")
     p.add_argument("--markdown", type=Path, metavar="FILE", help="print the table of a saved record; no GPU")
+    p.add_argument("--paged", type=int, metavar="PAGE_TOKENS", default=None,
+                   help="also time the paged kernels over the same contents (pages of PAGE_TOKENS tokens)")
     args = p.parse_args(argv)
     if args.markdown:
         print(markdown(results.read(args.markdown)))
@@ -447,7 +482,8 @@ def main(argv=None):
     path = out_dir / f"{args.name}.json"
     for name in args.shapes:
         rec["rows"].append({})
-        row = bench_shape(name, args.reps, device, rec["rows"][-1], saved=lambda: results.write(path, rec))
+        row = bench_shape(name, args.reps, device, rec["rows"][-1], saved=lambda: results.write(path, rec),
+                          page_tokens=args.paged)
         row.update(facts)
         results.write(path, rec)
         print(json.dumps(row), flush=True)

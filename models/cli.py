@@ -34,7 +34,8 @@ def _root() -> None:
 
 # Modules that register more commands on `app` (e.g. "oscar_jax.models.calibration").
 COMMAND_MODULES: tuple[str, ...] = ("oscar_jax.models.calibration", "oscar_jax.models.evaluate",
-                                     "oscar_jax.models.needle", "oscar_jax.models.bench")
+                                     "oscar_jax.models.needle", "oscar_jax.models.bench",
+                                     "oscar_jax.models.serving.cli")
 
 
 def fail(message: str) -> NoReturn:
@@ -152,6 +153,23 @@ def load_calibration(directory: Path, model_cfg, implementation: str = "auto"):
                                   implementation=implementation)
 
 
+def kv_policy_for(kv: str, rotations: Path | None, cfg, implementation: str):
+    """The KV policy of --kv, or of the calibration artifact --rotations (--kv oscar)."""
+    from oscar_jax.models import kv_policy
+
+    if rotations and kv != "oscar":
+        fail(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
+    if rotations:
+        try:
+            return load_calibration(rotations, cfg, implementation)
+        except ValueError as e:
+            fail(f"--rotations {rotations}: {e}")
+    try:
+        return kv_policy.make_policy(kv, implementation=implementation)
+    except ValueError:
+        fail(f"--kv {kv!r}: expected one of {', '.join(kv_policy.POLICIES)}")
+
+
 @app.command()
 def generate(
     model: str = typer.Option(..., help="smollm2 | gemma3 | a .gguf file | an HF checkpoint directory"),
@@ -184,16 +202,7 @@ def generate(
         fail(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
     cfg = model_config(model, random_weights=random_weights)
     check_context(cfg, max_new_tokens + 1, f"--max-new-tokens {max_new_tokens} + a prompt token")
-    if rotations:
-        try:
-            policy = load_calibration(rotations, cfg, implementation)
-        except ValueError as e:
-            fail(f"--rotations {rotations}: {e}")
-    else:
-        try:
-            policy = kv_policy.make_policy(kv, implementation=implementation)
-        except ValueError:
-            fail(f"--kv {kv!r}: expected one of {', '.join(kv_policy.POLICIES)}")
+    policy = kv_policy_for(kv, rotations, cfg, implementation)
     decoder, tokenizer = load_model(model, dtype=jnp.dtype(dtype), random_weights=random_weights, seed=seed)
     if tokenizer is None:  # random weights without a tokenizer: UTF-8 bytes as ids
         ids = [b % decoder.cfg.vocab_size for b in prompt.encode()]

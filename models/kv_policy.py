@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from oscar_jax import attention, cache as oc, rotation, sharding, updates
+from oscar_jax import attention, cache as oc, paged, rotation, sharding, updates
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
 from oscar_jax.config import bits_per_element as bpe_formula
 from oscar_jax.models import dense_cache
@@ -59,6 +59,18 @@ class OscarLayer:
     when that is "xla", else `updates.append`'s "auto"."""
 
     cache: oc.OscarCache
+    params: oc.LayerParams
+    implementation: str = _static("auto")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLayer:
+    """One layer's paged cache (`oscar_jax.paged.PagedCache`: sequence slots over a page pool)
+    with its `LayerParams` and `attend` implementation, what the serving engine's full-attention
+    layers hold (`oscar_jax.models.serving`)."""
+
+    cache: paged.PagedCache
     params: oc.LayerParams
     implementation: str = _static("auto")
 
@@ -112,6 +124,10 @@ def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_sc
         o, _ = attention.attend(q, cache, layer.params, implementation=layer.implementation,
                                 softmax_scale=softmax_scale)
         return o, dataclasses.replace(layer, cache=cache)
+    if isinstance(layer, PagedLayer):
+        cache = paged.append(layer.cache, k, v, layer.params)
+        o, _ = paged.attend(q, cache, layer.params, implementation=layer.implementation, softmax_scale=softmax_scale)
+        return o, dataclasses.replace(layer, cache=cache)
     if isinstance(layer, oc.RingCache):
         ring = updates.ring_append(layer, k, v)
         o, _ = attention.attend_window(q, ring, softmax_scale=softmax_scale)
@@ -123,7 +139,8 @@ def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_sc
 # Policies
 
 
-def _ring(cfg, batch: int, chunk: int) -> oc.RingCache:
+def ring_layer(cfg, batch: int, chunk: int) -> oc.RingCache:
+    """A sliding-window layer's ring for `batch` sequences and extend chunks of up to `chunk` tokens."""
     spec = RingSpec(1, batch, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, cfg.sliding_window + chunk - 1)
     return oc.RingCache.init(spec, stacked=False)
 
@@ -164,7 +181,7 @@ class KiviPolicy:
             raise ValueError(f"KIVI group_channels={self.cfg.group_channels} must divide "
                              f"head_dim={model_cfg.head_dim}")
         make = lambda kind: (KiviCache.init(batch, model_cfg.num_kv_heads, model_cfg.head_dim, max_len, self.cfg)
-                             if kind == FULL else _ring(model_cfg, batch, chunk))
+                             if kind == FULL else ring_layer(model_cfg, batch, chunk))
         return KVState(tuple(make(kind) for kind in model_cfg.layer_types), jnp.zeros((batch,), jnp.int32))
 
 
@@ -233,7 +250,8 @@ class QuantPolicy:
 
     def init(self, cfg, batch: int, max_len: int, chunk: int = 1) -> KVState:
         if not cfg.count(FULL):
-            return KVState(tuple(_ring(cfg, batch, chunk) for _ in cfg.layer_types), jnp.zeros((batch,), jnp.int32))
+            return KVState(tuple(ring_layer(cfg, batch, chunk) for _ in cfg.layer_types),
+                           jnp.zeros((batch,), jnp.int32))
         params = self.params(cfg)
         full_index = iter(range(cfg.count(FULL)))
         layers = []
@@ -245,7 +263,7 @@ class QuantPolicy:
                 layer_params = jax.tree.map(jnp.copy, params.layer(j))
                 layers.append(OscarLayer(oc.OscarCache.init(spec, stacked=False), layer_params, self.implementation))
             else:
-                layers.append(_ring(cfg, batch, chunk))
+                layers.append(ring_layer(cfg, batch, chunk))
         return KVState(tuple(layers), jnp.zeros((batch,), jnp.int32))
 
 
@@ -332,7 +350,7 @@ def held_bytes(state: KVState) -> float:
 
 def capacity(state: KVState) -> int | None:
     """The most tokens a sequence of this state can hold (None: unbounded, rings only)."""
-    caps = [layer.cache.spec.max_len if isinstance(layer, OscarLayer) else layer.k.shape[1]
+    caps = [layer.cache.spec.max_len if isinstance(layer, (OscarLayer, PagedLayer)) else layer.k.shape[1]
             for layer in state.layers if not isinstance(layer, oc.RingCache)]
     return min(caps) if caps else None
 
@@ -360,7 +378,7 @@ def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, st
         return jax.sharding.NamedSharding(mesh, spec)
 
     def layer_shardings(layer):
-        if isinstance(layer, OscarLayer):
+        if isinstance(layer, (OscarLayer, PagedLayer)):
             return dataclasses.replace(layer, cache=sharding.shardings(layer.cache, mesh, rules),
                                        params=sharding.shardings(layer.params, mesh, rules))
         if isinstance(layer, oc.RingCache):
@@ -378,6 +396,6 @@ def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, st
 def nbytes(state: KVState) -> int:
     """Bytes allocated by the KV caches (all layers, full capacity; rotations excluded)."""
     def layer_bytes(layer):
-        layer = layer.cache if isinstance(layer, OscarLayer) else layer
+        layer = layer.cache if isinstance(layer, (OscarLayer, PagedLayer)) else layer
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
     return sum(layer_bytes(layer) for layer in state.layers)

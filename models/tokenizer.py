@@ -81,6 +81,20 @@ class TextTokenizer:
         return cls(Tokenizer.from_file(str(path)), bos_id, eos_ids, add_bos)
 
 
+def read_chat_template(path: str | Path) -> str | None:
+    """The Jinja chat template of a GGUF file (`tokenizer.chat_template`) or an HF directory
+    (`tokenizer_config.json`'s `chat_template`); None when the model has none."""
+    path = Path(path)
+    if path.is_dir():
+        config = path / "tokenizer_config.json"
+        template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+    f = open_gguf(path).fields
+    return f["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in f else None
+
+
 def _byte_level_bpe(tokens: list[str], merges: list[str]) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]

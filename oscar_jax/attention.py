@@ -54,7 +54,7 @@ def resolve(implementation: str, spec: CacheSpec, queries: int, group: int,
 
 
 def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
-                  rotates: bool = False) -> AttendFn:
+                  rotates: bool = False, paged: bool = False) -> AttendFn:
     """Adapt a plain-array kernel to `attend`'s signature.
 
     The kernel sees rotated queries and returns outputs in the R_V basis:
@@ -69,6 +69,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
     when params.v_folded), `query_rot_stats=` (`LayerParams.query_rot_stats` or None) and
     `out_dtype=` q.dtype, and returns o in the model basis (the R_V
     basis when v_folded) in that dtype (written by the kernel: no XLA convert after it).
+    paged: the adapted function takes an `oscar_jax.paged.PagedCache`, whose history fields
+    are a page pool, and passes the kernel its `block_table=`.
     """
 
     def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None, interpret: bool = False):
@@ -86,6 +88,8 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
         else:
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
                                      precision=hi).reshape(q.shape), {}
+        if paged:
+            extra["block_table"] = cache.block_table
         o, lse = kernel(
             q_in, layout.CacheArrays.of(cache),
             sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from oscar_jax.config import CacheSpec
 from oscar_jax.pallas_kernels.gpu import hopper
 
-OPS = ("attend", "write", "append")
+OPS = ("attend", "write", "append", "paged_attend")
 NAMES = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu")
 # The backend each implementation compiles for (None: any).
 PLATFORMS = {"xla": None, "pallas": "gpu", "pallas_mosaic_gpu": "gpu", "pallas_tpu": "tpu"}
@@ -43,7 +43,8 @@ def _always(spec: CacheSpec, queries: int, group: int) -> bool:
 
 
 def register(op: str, name: str, fn: Callable | None, supports: SupportsFn = _always) -> None:
-    """Make `fn` the `op` ("attend", "write" or "append") of implementation `name` (one of NAMES);
+    """Make `fn` the `op` ("attend", "write", "append", or "paged_attend": attention through a
+    block table, `oscar_jax.paged`) of implementation `name` (one of NAMES);
     supports(spec, C, g): the calls it can run. The op defines fn's signature (fn None: the
     op's own XLA code)."""
     if op not in OPS:

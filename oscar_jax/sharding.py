@@ -13,6 +13,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from oscar_jax.cache import LayerParams, OscarCache, RingCache
+from oscar_jax.paged import PagedCache
 
 DEFAULT_RULES = {"batch": "data", "kv_heads": "model"}
 
@@ -27,6 +28,15 @@ _LOGICAL = {
         "recent_k": _KV, "recent_v": _KV, "lengths": ("batch",), "overflow": ("batch",),
     },
     RingCache: {"k": _KV, "v": _KV, "lengths": ("batch",)},
+    # The page pool's leading axis is its pages (replicated: every data shard's slots may own any
+    # page); KV heads shard as in the contiguous cache.
+    PagedCache: {
+        "sink_k": _KV, "sink_v": _KV, "recent_k": _KV, "recent_v": _KV, "lengths": ("batch",),
+        "overflow": ("batch",), "block_table": ("batch", "page_slots"),
+        "hist_codes_k": ("pages",) + _KV[1:], "hist_codes_v": ("pages",) + _CHANNEL_MAJOR[1:],
+        "hist_lo_k": ("pages",) + _META[1:], "hist_scale_k": ("pages",) + _META[1:],
+        "hist_lo_v": ("pages",) + _META[1:], "hist_scale_v": ("pages",) + _META[1:],
+    },
     LayerParams: {"rot_k": ("kv_heads", "head_dim", "head_dim"),
                   "rot_v": ("kv_heads", "head_dim", "head_dim"), "clip_k": (), "clip_v": (),
                   "dual_k": ("kv_heads", "head_dim", "head_dim"),
@@ -38,7 +48,7 @@ _LOGICAL = {
 
 
 def partition_specs(tree, mesh: Mesh, rules: dict[str, str] | None = None):
-    """PartitionSpec pytree (same structure as `tree`: an OscarCache, RingCache or
+    """PartitionSpec pytree (same structure as `tree`: an OscarCache, RingCache, PagedCache or
     LayerParams, stacked or per-layer) for `mesh`."""
     rules = DEFAULT_RULES if rules is None else rules
     logical = _LOGICAL.get(type(tree))

@@ -110,18 +110,20 @@ def _write_history(codes, lo, scale, new: quant.Quantized, start, count, bits: i
     return codes, lo, scale
 
 
-def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits: int, channel_major: bool):
+def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits: int, channel_major: bool,
+                         seq: jax.Array | None = None):
     """Decode's history write: one token per sequence at history index `index` int32 [B] (skipped
     where negative or not `ok` [B]), as a read-modify-write of its byte row and one metadata
     element, so a step touches a handful of bytes and stays a few fused kernels.
 
-    codes uint8 [B, H, R, D] ([B, H, D, R] when channel_major); lo/scale [B, H, G, tpb, R];
-    new is unpacked: codes [B, H, 1, D], lo/scale [B, H, 1, G]."""
+    codes uint8 [N, H, R, D] ([N, H, D, R] when channel_major); lo/scale [N, H, G, tpb, R];
+    new is unpacked: codes [B, H, 1, D], lo/scale [B, H, 1, G]; seq int32 [B]: the index on
+    the first axis that row b writes (default b, N = B; a page pool's page, `oscar_jax.paged`)."""
     tpb = 8 // bits
     rows = codes.shape[-1 if channel_major else -2]
     if rows == 0:  # a cache without history
         return codes, lo, scale
-    bidx = jnp.arange(codes.shape[0])
+    bidx = jnp.arange(new.codes.shape[0]) if seq is None else seq
     at = jnp.maximum(index, 0)
     row, slot = at // tpb, at % tpb
     row = jnp.where((index >= 0) & ok, row, rows)  # past the end: dropped
@@ -157,31 +159,45 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *
     one-token kernel `append_token`, C = 1); "auto" takes the kernel on GPU where it
     applies. interpret: run a kernel implementation in Pallas interpret mode (tests).
     """
-    spec = cache.spec
     _check_inputs("append", cache, k, v, params)
+    c = k.shape[1]
+    if dispatch.resolve("append", implementation, cache.spec, queries=c, interpret=interpret) == "pallas":
+        return _append_token(cache, k, v, params, interpret)
+    bits = cache.spec.quant.bits
+
+    def write_history(which, q, start, ok):
+        hist = (getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
+                getattr(cache, f"hist_scale_{which}"))
+        if c == 1:
+            codes, lo, scale = _write_history_token(*hist, q, start, ok, bits, layout.CHANNEL_MAJOR[which])
+        else:
+            write = functools.partial(_write_history, bits=bits, channel_major=layout.CHANNEL_MAJOR[which])
+            codes, lo, scale = jax.vmap(write)(*hist, q, start, jnp.where(ok, c, 0))
+        return {f"hist_codes_{which}": codes, f"hist_lo_{which}": lo, f"hist_scale_{which}": scale}
+
+    return append_with(cache, k, v, params, write_history)
+
+
+def append_with(cache, k: jax.Array, v: jax.Array, params: LayerParams, write_history):
+    """`append`'s sink and ring update, the history write left to `write_history(which, q,
+    start, ok) -> {field: array}` (which "k" or "v"; q the evicted tokens quantised, unpacked:
+    codes [B, H, C, D], lo/scale [B, H, C, G]; evicted token i goes to history index
+    start + i where that is >= 0, start int32 [B]; ok bool [B]: the row takes the append).
+    `cache` is any per-layer cache with `OscarCache`'s spec, sink_*, recent_*, lengths and
+    overflow fields (`oscar_jax.paged.PagedCache` writes its history through a block table)."""
+    spec = cache.spec
     b = spec.batch
     c = k.shape[1]
     if c > spec.window:
         raise ValueError(f"chunk C={c} must be <= window W={spec.window}")
-    impl = dispatch.resolve("append", implementation, spec, queries=c, interpret=interpret)
     k = shifted_keys(k, params)
-    s0, w, bits = spec.sink, spec.window, spec.quant.bits
+    s0, w = spec.sink, spec.window
     n = cache.lengths
     ok = _check_append(spec.max_len, n, c)
     pos = n[:, None] + jnp.arange(c)[None, :]  # [B, C]
 
     def update(which, x, rot, clip):
         x_rot = _rotate(x, rot).astype(STORE_DTYPE)  # [B, H, C, D]
-        names = (f"sink_{which}", f"recent_{which}", f"hist_codes_{which}", f"hist_lo_{which}",
-                 f"hist_scale_{which}")
-        if impl == "pallas":
-            cfg = spec.quant
-            arrays = append_token.append_token(
-                x_rot[:, :, 0], n, ok, clip, *(getattr(cache, name) for name in names), window=w, bits=bits,
-                levels=cfg.levels, group_size=spec.group_size,
-                span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
-                channel_major=layout.CHANNEL_MAJOR[which], interpret=interpret)
-            return dict(zip(names, arrays))
         sink = getattr(cache, f"sink_{which}")
         ring = getattr(cache, f"recent_{which}")
         bidx = jnp.arange(b)[:, None]
@@ -194,26 +210,38 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *
         evicted = jnp.moveaxis(evicted, 1, 2)  # [B, H, C, D]
         q = quant.quantize(evicted, spec.quant, clip)
         # New token i evicts history index n + i - W - S0 (kept where >= 0).
-        start = n - w - s0
-        hist = (getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
-                getattr(cache, f"hist_scale_{which}"))
-        if c == 1:
-            codes, lo, scale = _write_history_token(*hist, q, start, ok, bits, layout.CHANNEL_MAJOR[which])
-        else:
-            write = functools.partial(_write_history, bits=bits, channel_major=layout.CHANNEL_MAJOR[which])
-            codes, lo, scale = jax.vmap(write)(*hist, q, start, jnp.where(ok, c, 0))
+        hist = write_history(which, q, n - w - s0, ok)
         in_sink = (pos < s0) & ok[:, None]
         sink = sink.at[bidx, :, jnp.where(in_sink, pos, s0)].set(
             jnp.moveaxis(x_rot, 2, 1), mode="drop")
         in_ring = (pos >= s0) & ok[:, None]
         ring = ring.at[bidx, :, jnp.where(in_ring, slot, w)].set(
             jnp.moveaxis(x_rot, 2, 1), mode="drop")
-        return dict(zip(names, (sink, ring, codes, lo, scale)))
+        return {f"sink_{which}": sink, f"recent_{which}": ring, **hist}
 
     updates = {**update("k", k, params.rot_k, params.clip_k),
                **update("v", v, params.rot_v, params.clip_v)}
     return dataclasses.replace(
         cache, **updates, lengths=jnp.where(ok, n + c, n), overflow=cache.overflow | ~ok)
+
+
+def _append_token(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, interpret: bool) -> OscarCache:
+    """`append` of one token a row through the Triton kernel `append_token` (one launch for K,
+    one for V, every array updated in place)."""
+    spec, cfg = cache.spec, cache.spec.quant
+    n = cache.lengths
+    ok = _check_append(spec.max_len, n, 1)
+    updates = {}
+    for which, x, rot, clip in (("k", shifted_keys(k, params), params.rot_k, params.clip_k),
+                                ("v", v, params.rot_v, params.clip_v)):
+        names = (f"sink_{which}", f"recent_{which}", f"hist_codes_{which}", f"hist_lo_{which}",
+                 f"hist_scale_{which}")
+        x_rot = _rotate(x, rot).astype(STORE_DTYPE)[:, :, 0]  # [B, H, D]
+        updates.update(zip(names, append_token.append_token(
+            x_rot, n, ok, clip, *(getattr(cache, name) for name in names), window=spec.window, bits=cfg.bits,
+            levels=cfg.levels, group_size=spec.group_size, span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
+            channel_major=layout.CHANNEL_MAJOR[which], interpret=interpret)))
+    return dataclasses.replace(cache, **updates, lengths=jnp.where(ok, n + 1, n), overflow=cache.overflow | ~ok)
 
 
 def _gpu_bulk_write(kernel):

@@ -123,6 +123,15 @@ NEEDLE = [
     (["--model", "{gguf}", "--kv", "oscar", "--lengths", "256"], "--kv", ["needs calibrated rotations"], False),
     (["--model", "{gguf}", "--kv", "bf16", "--json", "{root}/a_file/r.json"], "--json", [], False),
 ]
+SERVE = [
+    (["--model", "{root}/missing.gguf"], "--model", ["no such file"], False),
+    (["--model", "{gguf}", "--kv", "int3"], "--kv", ["'int3'"], False),
+    (["--model", "{gguf}", "--dtype", "float16"], "--dtype", [], False),
+    (["--model", "{gguf}", "--implementation", "bogus"], "--implementation", ["'bogus'"], False),
+    (["--model", "{gguf}", "--max-len", "10000"], "--max-len", ["512"], False),
+    (["--model", "{gguf}", "--kv", "bf16", "--rotations", "{root}/existing"], "--rotations", [], False),
+    (["--model", "{gguf}", "--rotations", "{root}/existing"], "--rotations", [], False),
+]
 CALIBRATE = [
     (["--out", "{root}/existing"], "--out", ["already exists"], False),
     (["--out", "{root}/a_file/art"], "--out", ["not a directory"], False),
@@ -170,6 +179,11 @@ def test_eval_refuses(files, monkeypatch, args, option, also, weights):
 @pytest.mark.parametrize("args, option, also, weights", NEEDLE, ids=_ids(NEEDLE))
 def test_needle_refuses(files, monkeypatch, args, option, also, weights):
     _refused(monkeypatch, _argv("needle", args, files, files / "tiny.gguf"), option, *also, weights=weights)
+
+
+@pytest.mark.parametrize("args, option, also, weights", SERVE, ids=_ids(SERVE))
+def test_serve_refuses(files, monkeypatch, args, option, also, weights):
+    _refused(monkeypatch, _argv("serve", args, files, files / "tiny.gguf"), option, *also, weights=weights)
 
 
 @pytest.mark.parametrize("args, option, also, weights", CALIBRATE, ids=_ids(CALIBRATE))

@@ -185,11 +185,21 @@ def _online_update(state, scores, values_fn):
     return m_new, l, acc
 
 
-def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref,
+def _kernel(lengths_ref, table_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref,
             lo_k_ref, scale_k_ref, lo_v_ref, scale_v_ref, recent_k_ref, recent_v_ref,
             o_ref, lse_ref, *, g, c, sink, window, bits, levels, mult, offset, num_groups,
-            hist_rows, split_rows, num_hist_splits, blocks: BlockSizes, interpret: bool):
+            hist_rows, split_rows, num_hist_splits, pages, blocks: BlockSizes, interpret: bool):
     b, h, mb, split = (pl.program_id(i) for i in range(4))
+
+    def locate(r0):
+        """(first index, row) of history row r0 of this program's sequence: (b, r0), or through
+        the block table when paged (a step's rows never straddle a page)."""
+        if pages is None:
+            return b, r0
+        per_seq, page_rows = pages
+        j = r0 // page_rows
+        return jnp.maximum(table_ref[b * per_seq + j], 0), r0 - j * page_rows
+
     bm, d = q_ref.shape
     gs = d // num_groups
     tpb = 8 // bits
@@ -229,9 +239,10 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
             """Packed code tiles of step i, per group: K uint8 [BR, G], V uint8 [G, BR]."""
             r0 = r_begin + i * br
             ok = r0 + jnp.arange(br) < r_end
-            packed_k = tuple(plgpu.load(codes_k_ref.at[b, h, pl.ds(r0, br), pl.ds(gi * gs, gs)],
+            at, rr = locate(r0)
+            packed_k = tuple(plgpu.load(codes_k_ref.at[at, h, pl.ds(rr, br), pl.ds(gi * gs, gs)],
                                         mask=ok[:, None], other=0) for gi in range(num_groups))
-            packed_v = tuple(plgpu.load(codes_v_ref.at[b, h, pl.ds(gi * gs, gs), pl.ds(r0, br)],
+            packed_v = tuple(plgpu.load(codes_v_ref.at[at, h, pl.ds(gi * gs, gs), pl.ds(rr, br)],
                                         mask=ok[None, :], other=0) for gi in range(num_groups))
             return packed_k, packed_v
 
@@ -241,13 +252,14 @@ def _kernel(lengths_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, codes_v_ref
             row_ids = r0 + jnp.arange(br)
             row_ok = row_ids < r_end
             cols = jnp.broadcast_to(row_ids[None, :], (bm, br))
+            at, rr = locate(r0)
 
             def meta(ref, gi):
                 """f32 [BM, BR]: the metadata of token tpb * r + (the row's slice), from one
                 contiguous [BR] load per slice (faster than a [BM, BR] gather)."""
                 tile = None
                 for s in range(tpb):
-                    v = plgpu.load(ref.at[b, h, jnp.int32(gi), jnp.int32(s), pl.ds(r0, br)],
+                    v = plgpu.load(ref.at[at, h, jnp.int32(gi), jnp.int32(s), pl.ds(rr, br)],
                                    mask=row_ok, other=0).astype(jnp.float32)[None, :]
                     tile = jnp.broadcast_to(v, (bm, br)) if tile is None else jnp.where(slice_of == s, v, tile)
                 return tile
@@ -330,12 +342,16 @@ def _default_splits(programs: int, hist_rows: int, blocks: BlockSizes) -> int:
 
 def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
-                    interpret: bool = False, block_sizes: BlockSizes | None = None):
+                    interpret: bool = False, block_sizes: BlockSizes | None = None, block_table=None):
     """Attention of C new queries over one layer's mixed cache (plain arrays, rotated basis).
 
     q_rot: f32 [B, C, Hq, D] (already multiplied by R_K); cache: `layout.CacheArrays` (metadata
     bf16 or f32), lengths counting the C queries as the newest tokens. Returns (o_rot f32
     [B, C, Hq, D] in the R_V basis, lse f32 [B, C, Hq]).
+    block_table: int32 [B, n] for a paged history (`oscar_jax.paged`): the history arrays are
+    then a pool of P pages ([P, Hkv, R, D] etc., R rows a page, a multiple of the step's
+    `block_rows`, which is lowered to R where larger) and history row r of sequence b lies in
+    page block_table[b, r // R] (read where a tile is fetched; the loops are unchanged).
     """
     (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
      recent_k, recent_v, lengths) = cache
@@ -343,16 +359,25 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
     hkv = sink_k.shape[1]
     tpb = 8 // bits
     num_groups = hist_lo_k.shape[2]
-    hist_rows = hist_codes_k.shape[2]
+    page_rows = None if block_table is None else hist_codes_k.shape[2]
+    if page_rows is not None:
+        if block_table.ndim != 2 or block_table.shape[0] != b or not _is_pow2(page_rows) or page_rows < 16:
+            raise ValueError(f"block_table.shape={block_table.shape}, page rows {page_rows}: expected [B={b}, n] "
+                             "and pages of a power of two >= 16 packed rows")
+        hist_lead, hist_rows = hist_codes_k.shape[0], block_table.shape[1] * page_rows
+    else:
+        hist_lead, hist_rows = b, hist_codes_k.shape[2]
+    hist_shape = hist_rows if page_rows is None else page_rows
     if hq % hkv:
         raise ValueError(f"q_rot.shape={q_rot.shape}: Hq={hq} must be a multiple of Hkv={hkv}")
     if sink_k.shape != (b, hkv, sink, d) or recent_k.shape != (b, hkv, window, d):
         raise ValueError(f"sink_k.shape={sink_k.shape}, recent_k.shape={recent_k.shape}: expected "
                          f"[B={b}, Hkv={hkv}, S0={sink}, D={d}] and [B, Hkv, W={window}, D]")
-    if hist_codes_k.shape != (b, hkv, hist_rows, d) or hist_lo_k.shape != (b, hkv, num_groups, tpb, hist_rows):
+    if hist_codes_k.shape != (hist_lead, hkv, hist_shape, d) or \
+            hist_lo_k.shape != (hist_lead, hkv, num_groups, tpb, hist_shape):
         raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}, hist_lo_k.shape={hist_lo_k.shape}: "
                          f"expected [B, Hkv, T_hist/{tpb}, D={d}] and [B, Hkv, D/G, {tpb}, T_hist/{tpb}]")
-    if hist_codes_v.shape != (b, hkv, d, hist_rows):
+    if hist_codes_v.shape != (hist_lead, hkv, d, hist_shape):
         raise ValueError(f"hist_codes_v.shape={hist_codes_v.shape}: expected channel-major "
                          f"[B={b}, Hkv={hkv}, D={d}, T_hist/{tpb}={hist_rows}]")
     if lengths.shape != (b,):
@@ -366,6 +391,8 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
     m = g * c
     me = tpb * m  # expanded rows: one per (token slice, query row)
     blocks = block_sizes or BlockSizes.default(d, me)
+    if page_rows is not None and blocks.block_rows > page_rows:
+        blocks = dataclasses.replace(blocks, block_rows=page_rows)
     mp = max(16, 1 << (me - 1).bit_length())
     bm = min(mp, blocks.block_q)
     mp = -(-mp // bm) * bm
@@ -385,13 +412,17 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
         _kernel, g=g, c=c, sink=sink, window=window, bits=bits, levels=tuple(levels),
         mult=enc[0], offset=enc[1], num_groups=num_groups, hist_rows=hist_rows,
         split_rows=split_rows, num_hist_splits=num_hist_splits, blocks=blocks,
+        pages=None if page_rows is None else (block_table.shape[1], page_rows),
         interpret=interpret)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     splits = num_hist_splits + 1
-    arrays = (lengths.astype(jnp.int32), q, sink_k, sink_v, hist_codes_k, hist_codes_v,
+    # The block table flat, padded to a power of two (the lengths of Triton's blocks).
+    table = jnp.zeros((1,), jnp.int32) if block_table is None else block_table.reshape(-1).astype(jnp.int32)
+    table = jnp.pad(table, (0, (1 << (table.size - 1).bit_length()) - table.size))
+    arrays = (lengths.astype(jnp.int32), table, q, sink_k, sink_v, hist_codes_k, hist_codes_v,
               hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v, recent_k, recent_v)
-    in_specs = [full(arrays[0]), pl.BlockSpec((None, None, bm, d), lambda i, j, k, s: (i, j, k, 0))]
-    in_specs += [full(x) for x in arrays[2:]]
+    in_specs = [full(arrays[0]), full(table), pl.BlockSpec((None, None, bm, d), lambda i, j, k, s: (i, j, k, 0))]
+    in_specs += [full(x) for x in arrays[3:]]
     o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(b, hkv, n_mblocks, splits),

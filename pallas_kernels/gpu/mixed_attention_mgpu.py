@@ -50,7 +50,7 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool = False, config: Config | None = None,
                     query_rot: jax.Array | None = None, output_rot: jax.Array | None = None,
-                    query_rot_stats: jax.Array | None = None, out_dtype=jnp.float32):
+                    query_rot_stats: jax.Array | None = None, out_dtype=jnp.float32, block_table=None):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
     except that both rotations may be left to this kernel.
 
@@ -64,21 +64,32 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
     config: `Config`, or None for `schedule`'s choice for this shape and the device's SMs.
     Returns (o out_dtype [B, 1, Hq, D]: o_rot, or rotated back when output_rot is given; lse
     f32 [B, 1, Hq]).
+    block_table: int32 [B, n] for a paged history (`oscar_jax.paged`): the code and metadata
+    arrays are then pools of P pages of R packed rows ([P, Hkv, R, D] etc.; R a multiple of the
+    64-row TMA tile: pages of whole HIST_TILEs), and history tile t of row b is read from page
+    block_table[b, t * 64 // R] where its TMA copy is issued (the schedule is the contiguous
+    one's for n * R rows).
     """
     (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
      recent_k, recent_v, lengths) = cache
     b, c, hq, d = q.shape
     hkv = sink_k.shape[1]
     g = hq // hkv
-    rows = hist_codes_k.shape[2]
+    paged = block_table is not None
+    lead = hist_codes_k.shape[0] if paged else b  # pages or batch rows
+    page_rows = hist_codes_k.shape[2]
+    rows = block_table.shape[1] * page_rows if paged else page_rows  # the history's rows per sequence
+    if paged and (block_table.ndim != 2 or block_table.shape[0] != b or page_rows % ROWS):
+        raise ValueError(f"block_table.shape={block_table.shape}, pages of {page_rows} rows: expected [B={b}, n] "
+                         f"and pages of whole {ROWS}-row tiles")
     if c != 1 or g > N or d not in (64, 128, 256) or hist_lo_k.shape[2] != 1 or bits != 2 or \
             tuple(levels) != (0.0, 1.0, 2.0, 3.0) or hist_lo_k.dtype != jnp.bfloat16:
         raise ValueError(f"q.shape={q.shape}, groups={hist_lo_k.shape[2]}, bits={bits}, "
                          f"metadata {hist_lo_k.dtype}: this kernel needs C=1, g<=8, D in (64, 128, 256), G=D, "
                          "uniform 2-bit codes and bf16 metadata")
-    if hist_codes_v.shape != (b, hkv, d, rows):
+    if hist_codes_v.shape != (lead, hkv, d, page_rows):
         raise ValueError(f"hist_codes_v.shape={hist_codes_v.shape}: expected channel-major "
-                         f"[B={b}, Hkv={hkv}, D={d}, T_hist/4={rows}]")
+                         f"[{lead}, Hkv={hkv}, D={d}, {page_rows}]")
     if rows >= ROWS and rows % ROWS:
         raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: T_hist/4 must be a multiple of {ROWS} "
                          "(whole TMA tiles; CacheSpec allocates a longer history in 256-token tiles)")
@@ -93,7 +104,7 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
     segments = [whole(x) for x in ((sink_k, sink_v) if sink else (recent_k, recent_v)) + (recent_k, recent_v)]
 
     codes_k, codes_v = hist_codes_k, hist_codes_v
-    meta = [x.reshape(b, hkv, TPB, rows) for x in (hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v)]
+    meta = [x.reshape(lead, hkv, TPB, page_rows) for x in (hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v)]
     if rows < ROWS:  # tiny caches only: every tile must fit inside the arrays
         codes_k = jnp.pad(codes_k, ((0, 0), (0, 0), (0, ROWS - rows), (0, 0)))
         codes_v = jnp.pad(codes_v, ((0, 0), (0, 0), (0, 0), (0, ROWS - rows)))
@@ -103,8 +114,11 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
                             dense_blocks=kernel_lib.dense_blocks(sink, window)[1])
     kernel = kernel_lib.history_kernel(
         line, batch=b, kv_heads=hkv, head_dim=d, g=g, packed=packed, hist_rows=rows,
-        warpgroups=config.warpgroups, buffers=config.buffers, sink=sink, window=window, interpret=interpret)
+        warpgroups=config.warpgroups, buffers=config.buffers, sink=sink, window=window, interpret=interpret,
+        pages=(len(line.table()), block_table.shape[1], page_rows) if paged else None)
     table = jnp.asarray(line.table())
+    if paged:  # the block table rides behind the schedule's tables (decode_finish reads those only)
+        table = jnp.concatenate([table, block_table.reshape(-1).astype(table.dtype)])
     o_t, lse2 = kernel(lengths.astype(jnp.int32), table,
                        q_blocks, qcol, q_dense.reshape(b, hkv, 4 * N, d), codes_k,
                        codes_v, *meta, *segments)

@@ -186,7 +186,8 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
             sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes, q_smem, qcol_smem, meta_smem, w_smem,
             o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, stage_k=None, stage_v=None,
             line: WorkLine, hist_tokens: int, head_dim: int, packed: int, buffers: int,
-            sink: int, window: int, g: int, kv_heads: int, warpgroups: int, interpret: bool):
+            sink: int, window: int, g: int, kv_heads: int, warpgroups: int, interpret: bool,
+            pages: tuple[int, int, int] | None = None):
     # Program k = warpgroup wg of block `block` takes units [bounds[k], bounds[k + 1]) of the
     # work line (`WorkLine`; its tables, end to end in table_ref: bounds, each pair's first
     # program and its partials): pieces of one or two (batch row, KV head) pairs. The last
@@ -263,10 +264,16 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
 
         def issue(i, slot):
             """TMA of step i's K codes [64, D], V codes [D, 64] and 4 metadata tiles into `slot`
-            (whole tiles: a piece is whole tiles of the [64 x tiles]-row arrays)."""
+            (whole tiles: a piece is whole tiles of the [64 x tiles]-row arrays; paged, row r0
+            of row b is row r0 % R of page block_table[b, r0 // R], R a multiple of 64)."""
             r0 = r_begin + i * ROWS
-            sources = [ck_ref.at[b, h, pl.ds(r0, ROWS)], cv_ref.at[b, h, :, pl.ds(r0, ROWS)]]
-            sources += [ref.at[b, h, :, pl.ds(r0, ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
+            at, rr = b, r0
+            if pages is not None:
+                block_at, per_seq, page_rows = pages
+                j = r0 // page_rows
+                at, rr = jnp.maximum(table_ref[block_at + b * per_seq + j], 0), r0 - j * page_rows
+            sources = [ck_ref.at[at, h, pl.ds(rr, ROWS)], cv_ref.at[at, h, :, pl.ds(rr, ROWS)]]
+            sources += [ref.at[at, h, :, pl.ds(rr, ROWS)] for ref in (lok_ref, sck_ref, lov_ref, scv_ref)]
             targets = [ck_smem.at[slot], cv_smem.at[slot]] + [meta_smem.at[slot, j] for j in range(4)]
             for src, dst in zip(sources, targets):
                 plgpu.copy_gmem_to_smem(src, dst, tile_bar(slot))  # one arrival per copy
@@ -432,7 +439,8 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
 
 
 def history_kernel(line: WorkLine, *, batch: int, kv_heads: int, head_dim: int, g: int, packed: int,
-                   hist_rows: int, warpgroups: int, buffers: int, sink: int, window: int, interpret: bool):
+                   hist_rows: int, warpgroups: int, buffers: int, sink: int, window: int, interpret: bool,
+                   pages: tuple[int, int, int] | None = None):
     """The kernel for `line` -> fn(lengths int32 [B], table int32 (`line.table()`), q_blocks int8
     [B, Hkv, P, 16, D], qcol f32 [B, Hkv, 2, 64, 8], q_dense bf16 [B, Hkv, 32, D] (`decode_start`'s
     outputs), codes_k uint8 [B, Hkv, R, D], codes_v uint8 [B, Hkv, D, R] (R >= 64 rows, whole
@@ -440,7 +448,10 @@ def history_kernel(line: WorkLine, *, batch: int, kv_heads: int, head_dim: int, 
     ring K, ring V: [B, Hkv, 64 k, D]; the ring stands in for an empty sink)) -> (o_t f32
     [B, Hkv, S, D, 8], lse2 f32 [B, Hkv, S, 8]): each pair's partials (its history pieces in
     order, then its sink and ring), o^T normalised and its lse in base 2. hist_rows: the
-    packed rows the cache holds (the history's length in rows, before any padding)."""
+    packed rows the cache holds (the history's length in rows, before any padding). pages: a
+    paged history (`oscar_jax.paged`): (block_at, pages_per_seq, R) with the block table
+    flattened into `table` from block_at, the code and metadata arrays [P, Hkv, ...] pools of
+    pages of R rows (a multiple of 64), hist_rows = pages_per_seq * R."""
     b, hkv, d, wgs = batch, kv_heads, head_dim, warpgroups  # every buffer below is per warpgroup
     partials = line.tables()[2]  # per pair
     history_codes = (plgpu.SMEM((wgs, buffers, ROWS, d), jnp.uint8, transforms=int8_tiles(d)),
@@ -471,7 +482,7 @@ def history_kernel(line: WorkLine, *, batch: int, kv_heads: int, head_dim: int, 
     return plgpu.kernel(
         functools.partial(_kernel, line=line, hist_tokens=hist_rows * TPB, head_dim=d,
                           packed=packed, buffers=buffers, sink=sink, window=window, g=g, kv_heads=hkv,
-                          warpgroups=wgs, interpret=interpret),
+                          warpgroups=wgs, interpret=interpret, pages=pages),
         out_type=[jax.ShapeDtypeStruct((b, hkv, partials.max(), d, N), jnp.float32),
                   jax.ShapeDtypeStruct((b, hkv, partials.max(), N), jnp.float32)],
         scratch_types=scratch,

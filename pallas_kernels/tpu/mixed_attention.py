@@ -117,16 +117,17 @@ def _dot(a: jax.Array, b: jax.Array, dims, passes: int) -> jax.Array:
                for x in _bf16_pieces(a, passes))
 
 
-def _kernel(lengths_ref, q_ref, *refs, sink, window, bits, levels, chunk, hist_rows,
+def _kernel(lengths_ref, *refs, paged, sink, window, bits, levels, chunk, hist_rows,
             n_groups, has_sink, has_hist, passes):
-    """Refs per grid point (b, h, k):
-
+    """Refs per grid point (b, h, k): the block table (SMEM, when paged: read by the index
+    maps only, so block k is history block k of row b whichever page holds it);
     q_ref f32 [M, D] (scaled, rotated; row r is query c = r % chunk);
     sink_k/v bf16 [S0, D]; codes_k u8 [hist_rows, D]; codes_v u8 [D, hist_rows];
     lo_k, scale_k, lo_v, scale_v [n_groups, tpb, hist_rows]; recent_k/v bf16 [W, D];
     outputs o f32 [M, D], lse f32 [M, 128]; scratch m, l f32 [M, 128], acc f32 [M, D].
     """
-    refs = list(refs)
+    refs = list(refs[1:] if paged else refs)
+    q_ref = refs.pop(0)
     sink_k_ref, sink_v_ref = (refs.pop(0), refs.pop(0)) if has_sink else (None, None)
     hist = [refs.pop(0) for _ in range(6)] if has_hist else None
     recent_k_ref, recent_v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
@@ -225,7 +226,7 @@ def _check(name, x, shape, dtype=None):
 def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
                     window: int, bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool | pltpu.InterpretParams = False,
-                    config: AttentionConfig = AttentionConfig()):
+                    config: AttentionConfig = AttentionConfig(), block_table=None):
     """Attention of C appended queries over one layer's mixed cache (docs/method.md,
     "Attention over the mixed cache").
 
@@ -233,10 +234,16 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
     packed rows; lengths count the C queries). Query head i uses KV head i // (Hq/Hkv).
     Returns o f32 [B, C, Hq, D] in the R_V basis and lse f32 [B, C, Hq].
     `interpret`: False on TPU; True or an `InterpretParams` for TPU interpret mode.
+    block_table: int32 [B, n] for a paged history (`oscar_jax.paged`): the cache's history
+    arrays are then a pool of pages, [P, Hkv, R, D] etc. with R the rows of one page, and
+    history block k of row b is page block_table[b, k] (one page per grid step; the table is
+    a second scalar prefetch, read only by the index maps).
     """
     (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
      recent_k, recent_v, lengths) = cache
     bsz, chunk, hq, d = q_rot.shape
+    paged = block_table is not None
+    hist_lead = hist_codes_k.shape[0] if paged else bsz  # pages or batch rows
     hkv = recent_k.shape[1]
     tpb = layout.tokens_per_byte(bits)
     if len(levels) != 1 << bits:
@@ -253,12 +260,14 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
     _check("sink_v", sink_v, (bsz, hkv, sink, d), jnp.bfloat16)
     _check("recent_k", recent_k, (bsz, hkv, window, d), jnp.bfloat16)
     _check("recent_v", recent_v, (bsz, hkv, window, d), jnp.bfloat16)
-    _check("hist_codes_k", hist_codes_k, (bsz, hkv, rows, d), jnp.uint8)
-    _check("hist_codes_v", hist_codes_v, (bsz, hkv, d, rows), jnp.uint8)
+    _check("hist_codes_k", hist_codes_k, (hist_lead, hkv, rows, d), jnp.uint8)
+    _check("hist_codes_v", hist_codes_v, (hist_lead, hkv, d, rows), jnp.uint8)
     for name, x in (("hist_lo_k", hist_lo_k), ("hist_scale_k", hist_scale_k),
                     ("hist_lo_v", hist_lo_v), ("hist_scale_v", hist_scale_v)):
-        _check(name, x, (bsz, hkv, n_groups, tpb, rows))
+        _check(name, x, (hist_lead, hkv, n_groups, tpb, rows))
     _check("lengths", lengths, (bsz,), jnp.int32)
+    if paged and (block_table.ndim != 2 or block_table.shape[0] != bsz or block_table.dtype != jnp.int32):
+        raise ValueError(f"block_table: got {block_table.shape} {block_table.dtype}, expected [B={bsz}, n] int32")
 
     # [B, C, Hq, D] -> [B, Hkv, g*C (padded to 8 sublanes), D]; row r = (head r // C, query r % C).
     g = hq // hkv
@@ -269,18 +278,27 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
     q = jnp.pad(q, ((0, 0), (0, 0), (0, m_rows - m_real), (0, 0)))
 
     has_sink, has_hist = sink > 0, rows > 0
-    hist_rows = rows if rows <= config.hist_rows else config.hist_rows
-    n_blocks = pl.cdiv(rows, hist_rows) if has_hist else 1
+    if paged:  # one page per grid step
+        hist_rows, n_blocks = rows, block_table.shape[1]
+        prefetch = (lengths, block_table.reshape(-1))
+    else:
+        hist_rows = rows if rows <= config.hist_rows else config.hist_rows
+        n_blocks = pl.cdiv(rows, hist_rows) if has_hist else 1
+        prefetch = (lengths,)
     sq = pl.squeezed
 
-    def fixed(b, h, k, lengths_ref):
+    def fixed(b, h, k, *prefetch_refs):
         return b, h, 0, 0
 
-    def hist_block(b, h, k, lengths_ref):
-        """Clamp k to the last block holding tokens, so later steps re-use it (no DMA)."""
+    def hist_block(b, h, k, lengths_ref, *table_ref):
+        """(row or page, h, block): k clamped to the last block holding tokens, so later steps
+        re-use it (no DMA); through the block table when paged."""
         n_hist = jnp.maximum(lengths_ref[b] - window - sink, 0)
         last = jnp.maximum(pl.cdiv(n_hist, hist_rows * tpb) - 1, 0)
-        return b, h, jnp.minimum(k, last)
+        k = jnp.minimum(k, last)
+        if paged:
+            return jnp.maximum(table_ref[0][b * n_blocks + k], 0), h, 0
+        return b, h, k
 
     in_specs = [pl.BlockSpec((sq, sq, m_rows, d), fixed)]
     args = [q]
@@ -299,13 +317,13 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
     args += [recent_k, recent_v]
 
     kernel = functools.partial(
-        _kernel, sink=sink, window=window, bits=bits, levels=tuple(levels), chunk=chunk,
+        _kernel, paged=paged, sink=sink, window=window, bits=bits, levels=tuple(levels), chunk=chunk,
         hist_rows=hist_rows, n_groups=n_groups, has_sink=has_sink, has_hist=has_hist,
         passes=config.passes)
     o, lse = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=len(prefetch),
             grid=(bsz, hkv, n_blocks),
             in_specs=in_specs,
             out_specs=[pl.BlockSpec((sq, sq, m_rows, d), fixed),
@@ -320,7 +338,7 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret_params(interpret),
         name="oscar_mixed_attention_tpu",
-    )(lengths, *args)
+    )(*prefetch, *args)
     o = jnp.moveaxis(o[:, :, :m_real].reshape(bsz, hkv, g, chunk, d), 3, 1)
     lse = jnp.moveaxis(lse[:, :, :m_real, 0].reshape(bsz, hkv, g, chunk), 3, 1)
     return o.reshape(bsz, chunk, hq, d), lse.reshape(bsz, chunk, hq)

@@ -1,0 +1,6 @@
+"""Serving: continuous batching over a paged KV pool (`engine.Engine`) and its host-side
+scheduler (`scheduler.Scheduler`)."""
+
+from oscar_jax.models.serving.engine import Engine, Request, Result
+
+__all__ = ["Engine", "Request", "Result"]

@@ -1,0 +1,73 @@
+"""`oscar serve`: the OpenAI-compatible server (`server.create_app`) on uvicorn."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import typer
+
+from oscar_jax.models.cli import app, check_implementation, console, fail, kv_policy_for, load_model, model_config
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(..., help="smollm2 | gemma3 | a .gguf file | an HF checkpoint directory"),
+    kv: str = typer.Option("oscar", help="KV cache: bf16 | fp8 | oscar | quarot | kivi | int2 | int4 | int8"),
+    rotations: Path | None = typer.Option(None, help="calibration artifact directory (--kv oscar)"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000, min=1, max=65535),
+    name: str | None = typer.Option(None, help="the model id clients send (default: --model)"),
+    slots: int = typer.Option(8, min=1, help="sequences decoded together (the compiled batch)"),
+    max_len: int | None = typer.Option(None, min=2, help="tokens a sequence holds at most (default: the context)"),
+    page_tokens: int = typer.Option(256, min=1, help="tokens a KV page holds (OSCAR caches)"),
+    num_pages: int | None = typer.Option(None, min=1, help="KV pages in the pool (default: every slot full)"),
+    prefill_chunk: int | None = typer.Option(None, min=1, help="chunked prefill of this many tokens"),
+    max_queue: int = typer.Option(256, min=1, help="requests waiting for admission before 429"),
+    max_body_bytes: int = typer.Option(1 << 20, min=1024, help="largest request body"),
+    dtype: str = typer.Option("float32", help="weights and activations: float32 | bfloat16"),
+    random_weights: bool = typer.Option(False, help="the named architecture with random weights"),
+    implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
+):
+    """Serve a model over OpenAI's completions and chat API (docs/serving.md)."""
+    import jax.numpy as jnp
+    import uvicorn
+
+    from oscar_jax.models import registry, tokenizer as tokenizer_lib
+    from oscar_jax.models.serving import Engine, api, server
+
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype!r}: expected float32 or bfloat16")
+    check_implementation(implementation)
+    if rotations and kv != "oscar":
+        fail(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
+    cfg = model_config(model, random_weights=random_weights)
+    context = cfg.max_position or max_len or 8192
+    if max_len is not None and cfg.max_position and max_len > cfg.max_position:
+        fail(f"--max-len {max_len}: the model's context is {cfg.max_position} tokens")
+    max_len = max_len or context
+    policy = kv_policy_for(kv, rotations, cfg, implementation)
+    decoder, tokenizer = load_model(model, dtype=jnp.dtype(dtype), random_weights=random_weights)
+    if tokenizer is None:
+        fail(f"--model {model}: no tokenizer (random weights or an HF directory without tokenizer.json); "
+             "a server needs one")
+    try:
+        engine = Engine(decoder, policy, slots=slots, max_len=max_len, page_tokens=page_tokens,
+                        num_pages=num_pages, prefill_chunk=prefill_chunk)
+    except ValueError as e:
+        fail(str(e))
+    source = None if random_weights else tokenizer_lib.read_chat_template(
+        registry.model_path(model) if model in registry.MODELS else model)
+    token_text = lambda i: tokenizer.tokenizer.id_to_token(i) if i is not None else ""
+    template = api.ChatTemplate(source, bos=token_text(tokenizer.bos_id),
+                                eos=token_text(tokenizer.eos_ids[0] if tokenizer.eos_ids else None)) if source else None
+    served = server.ServedModel(name or model, engine, tokenizer, template, min(context, engine.capacity))
+    console.print(f"serving {served.name} ({policy.name} cache, {slots} slots, {max_len} tokens each) "
+                  f"on http://{host}:{port}", highlight=False)
+    http = uvicorn.Server(uvicorn.Config(server.create_app(served, max_queue=max_queue, max_body_bytes=max_body_bytes),
+                                         host=host, port=port, log_level="warning"))
+    # On SIGTERM uvicorn stops accepting, lets the running responses finish, stops the engine,
+    # then raises the signal again for the handler it found: this one, so the exit code is 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    http.run()
+    console.print("stopped: every running request finished", highlight=False)

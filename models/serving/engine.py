@@ -1,0 +1,389 @@
+"""Continuous batching over a paged KV pool (docs/paged.md §4).
+
+`Engine(model, policy, slots=..., max_len=..., page_tokens=..., num_pages=...)` decodes up to
+`slots` sequences together in one compiled step. Requests (`Request`: prompt ids, max_tokens,
+temperature, top_p, seed, stop ids) are queued by `submit`, which refuses a request that could
+never be held; `step` runs one round of `scheduler.Scheduler`'s events and one decode step for
+every running sequence; `run` steps until every request is done.
+
+- OSCAR policies (`kv_policy.QuantPolicy`): the full-attention layers are `kv_policy.PagedLayer`s
+  (one `oscar_jax.paged.PagedCache` each: per-slot sink and ring, one page pool, the same page
+  ids in every layer), sliding-window layers a ring per slot; dense policies (bf16, fp8) keep
+  their caches per slot (admission by slots only).
+- Prefill: one prompt at a time, right-padded to a bucket length (powers of two), through
+  `generate.prefill` into a one-row cache of the policy, then inserted into the request's slot
+  and pages (`paged.insert`); its last logits give the first token. With `prefill_chunk=C`
+  the prompt's first 1..C tokens are prefilled so and the rest enters in chunks of C through
+  `generate.extend` (each chunk attends to itself in the bf16 ring and to the earlier chunks
+  through the cache), `chunks_per_step` chunks a step over the prefilling requests, first come
+  first served, between decode steps; the row is inserted after its last chunk.
+- Sampling: temperature, top_p and the seed are per-row arrays of the one compiled step (not
+  static arguments); token i of a request draws with `fold_in(key(seed), i)`, so a request's
+  tokens do not depend on what else runs beside it.
+- Preemption: a sequence pushed out for pages is copied to host memory (its slot rows and pages)
+  and copied back later bitwise, so a quantised cache's contents never change.
+- Compiled shapes: the decode step (one batch), one prefill and insert per bucket, the swap copies;
+  `compiles` counts the compilations JAX reports while this engine runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oscar_jax import paged
+from oscar_jax.models import generate, kv_policy
+from oscar_jax.models.serving.scheduler import Event, Scheduler, Sequence
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_COMPILES = [0]  # compilations JAX has reported since this module loaded
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    if event == _COMPILE_EVENT:
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """prompt: token ids; max_tokens: tokens to generate at most; temperature 0 is greedy;
+    top_p in (0, 1]; seed: this request's sampling key; stop_ids: tokens that end it (kept)."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"Request.temperature={self.temperature!r}: expected >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"Request.top_p={self.top_p!r}: expected in (0, 1]")
+
+
+@dataclasses.dataclass
+class Result:
+    """tokens: generated ids; finish: "length" (max_tokens reached), "stop" (a stop id) or
+    "cancelled" (`Engine.cancel`)."""
+
+    tokens: list[int]
+    finish: str | None = None
+
+
+def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seeds: jax.Array,
+                counts: jax.Array) -> jax.Array:
+    """`generate.sample` with per-row parameters: logits f32 [B, V], temperature, top_p f32 [B],
+    seeds, counts int32 [B] (row b draws with fold_in(key(seeds[b]), counts[b])) -> int32 [B]."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    desc = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    threshold = jnp.min(jnp.where(mass_before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, counts)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _with_tables(state: kv_policy.KVState, tables: jax.Array) -> kv_policy.KVState:
+    def put(layer):
+        if isinstance(layer, kv_policy.PagedLayer):
+            return dataclasses.replace(layer, cache=dataclasses.replace(layer.cache, block_table=tables))
+        return layer
+    return dataclasses.replace(state, layers=tuple(put(layer) for layer in state.layers))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _decode(model, state, tables, tokens, temperature, top_p, seeds, counts):
+    """One decode step of every slot: tokens int32 [B] enter the cache -> (next int32 [B], state)."""
+    logits, state = generate._step_logits(model, _with_tables(state, tables), tokens[:, None])
+    return sample_rows(logits[:, 0], temperature, top_p, seeds, counts), state
+
+
+_sample = jax.jit(sample_rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _insert(state, part, slot, tables):
+    """Put the one-row prefilled state `part` into slot `slot` (its pages: `tables`' row)."""
+    state = _with_tables(state, tables)
+
+    def put(layer, row):
+        if isinstance(layer, kv_policy.PagedLayer):
+            return dataclasses.replace(layer, cache=paged.insert(layer.cache, slot[None], row.cache))
+        leaves, treedef = jax.tree.flatten(layer)  # row's static spec says batch 1: pair the leaves
+        return treedef.unflatten([jax.lax.dynamic_update_slice(x, r, (slot,) + (0,) * (x.ndim - 1))
+                                  for x, r in zip(leaves, jax.tree.leaves(row))])
+
+    layers = tuple(put(layer, row) for layer, row in zip(state.layers, part.layers))
+    return kv_policy.KVState(layers, state.lengths.at[slot].set(part.lengths[0]))
+
+
+@jax.jit
+def _read_slot(state, slot, ids):
+    """A slot's rows of every layer (and its pages `ids` of the paged ones), to swap out."""
+    def read(layer):
+        if isinstance(layer, kv_policy.PagedLayer):
+            return paged.read_slot(layer.cache, slot, ids)
+        return jax.tree.map(lambda x: x[slot], layer)
+    return tuple(read(layer) for layer in state.layers), state.lengths[slot]
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _write_slot(state, saved, slot, ids, tables):
+    """`_read_slot`'s copy back into slot `slot` and pages `ids` (padding ids < 0 skipped)."""
+    rows, length = saved
+    state = _with_tables(state, tables)
+
+    def write(layer, row):
+        if isinstance(layer, kv_policy.PagedLayer):
+            return dataclasses.replace(layer, cache=paged.write_slot(layer.cache, slot, ids, row))
+        return jax.tree.map(lambda x, r: x.at[slot].set(r), layer, row)
+
+    layers = tuple(write(layer, row) for layer, row in zip(state.layers, rows))
+    return kv_policy.KVState(layers, state.lengths.at[slot].set(length))
+
+
+class Engine:
+    """Continuous batching of `Request`s through one decoder (module docstring).
+
+    policy: a `kv_policy.QuantPolicy` (paged full-attention layers) or `DensePolicy`; slots: the
+    compiled decode batch; max_len: tokens a slot holds at most (rounded up to whole pages);
+    page_tokens, num_pages: the pool (OSCAR policies); min_bucket: the shortest prefill length;
+    prefill_chunk, chunks_per_step: chunked prefill (module docstring; C <= the policy's window).
+    """
+
+    def __init__(self, model, policy, *, slots: int, max_len: int, page_tokens: int = 256,
+                 num_pages: int | None = None, min_bucket: int = 16, prefill_chunk: int | None = None,
+                 chunks_per_step: int = 1):
+        if model.values_folded:
+            raise ValueError("Engine serves unfolded decoders (decoder.fold_values's pair is not supported yet)")
+        cfg = model.cfg
+        self.model, self.policy, self.slots = model, policy, slots
+        if prefill_chunk is not None and (prefill_chunk < 1 or chunks_per_step < 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk}, chunks_per_step={chunks_per_step}: expected >= 1")
+        self.chunk, self.chunks_per_step = prefill_chunk, chunks_per_step
+        self.paged = isinstance(policy, kv_policy.QuantPolicy) and cfg.count(kv_policy.FULL) > 0
+        if self.paged:
+            spec = policy.cache_spec(cfg, slots, max_len, self._chunk)
+            self.page_tokens = page_tokens
+            paged.check_page_tokens(spec, page_tokens)
+            pages_per_seq = int(paged.pages_for(spec.max_len, spec, page_tokens))
+            self.capacity = spec.sink + spec.window + pages_per_seq * page_tokens
+            self.num_pages = num_pages if num_pages is not None else slots * pages_per_seq
+            self._spec = dataclasses.replace(spec, max_len=self.capacity)
+            self.tables = np.full((slots, pages_per_seq), paged.NO_PAGE, np.int32)
+        else:
+            self.capacity, self.num_pages, self._spec = max_len, 0, None
+            self.tables = np.full((slots, 1), paged.NO_PAGE, np.int32)
+        self.scheduler = Scheduler(slots, self.num_pages, self._pages_for, self.capacity)
+        powers = (1 << i for i in range(max(min_bucket - 1, 0).bit_length(), self.capacity.bit_length()))
+        self.buckets = tuple(t for t in powers if t < self.capacity) + (self.capacity,)  # prefill lengths
+        self.state = self._init_state()
+        self.requests: dict[int, Request] = {}
+        self.results: dict[int, Result] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._next_token: dict[int, int] = {}
+        self._swapped: dict[int, object] = {}
+        self._prefilling: dict[int, tuple[kv_policy.KVState, int]] = {}  # rid -> (one-row state, tokens in)
+        self._empty_parts: dict[int, kv_policy.KVState] = {}  # prefill rows -> an empty one-row state
+        self.pages_used: list[int] = []  # pages in use after each step
+        self.preemptions = 0
+        self._compiles_at_start = _COMPILES[0]
+
+    @property
+    def compiles(self) -> int:
+        """Compilations (any program, this engine's or not) since the engine was made."""
+        return _COMPILES[0] - self._compiles_at_start
+
+    @property
+    def _chunk(self) -> int:
+        """The extend chunk the caches are laid out for (1 without chunked prefill)."""
+        return self.chunk or 1
+
+    def _pages_for(self, length: int) -> int:
+        return int(paged.pages_for(length, self._spec, self.page_tokens))
+
+    def _init_state(self) -> kv_policy.KVState:
+        cfg, policy = self.model.cfg, self.policy
+        if not self.paged:
+            return generate.init_state(self.model, policy, self.slots, self.capacity, self._chunk)
+        params = policy.params(cfg)
+        layers, j = [], 0
+        for kind in cfg.layer_types:
+            if kind == kv_policy.FULL:
+                spec = policy.cache_spec(cfg, self.slots, self.capacity, self._chunk, j)
+                layers.append(kv_policy.PagedLayer(paged.PagedCache.init(spec, self.page_tokens, self.num_pages),
+                                                   jax.tree.map(jnp.copy, params.layer(j)), policy.implementation))
+                j += 1
+            else:
+                layers.append(kv_policy.ring_layer(cfg, self.slots, self._chunk))
+        return kv_policy.KVState(tuple(layers), jnp.zeros((self.slots,), jnp.int32))
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: Request) -> int:
+        """Queue `request`; returns its id. ValueError if it can never be held (the engine goes on)."""
+        if not request.prompt or request.max_tokens < 1:
+            raise ValueError(f"request with a prompt of {len(request.prompt)} tokens and max_tokens="
+                             f"{request.max_tokens}: expected at least one of each")
+        vocab = self.model.cfg.vocab_size
+        if not all(0 <= t < vocab for t in request.prompt):
+            raise ValueError(f"request prompt holds ids outside [0, vocab_size={vocab})")
+        rid = len(self.requests)
+        self._seqs[rid] = self.scheduler.submit(rid, len(request.prompt), request.max_tokens)
+        self.requests[rid] = request
+        self.results[rid] = Result([])
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Stop request `rid` now (a client went away): its slot and pages are freed, its result
+        keeps the tokens so far with finish "cancelled". A finished request is left as it is."""
+        seq, result = self._seqs[rid], self.results[rid]
+        if result.finish is not None:
+            return
+        if seq.slot is not None:
+            self.tables[seq.slot] = paged.NO_PAGE
+        self.scheduler.cancel(seq)
+        self._next_token.pop(rid, None)
+        self._prefilling.pop(rid, None)
+        self._swapped.pop(rid, None)
+        result.finish = "cancelled"
+
+    def done(self) -> bool:
+        s = self.scheduler
+        return not (s.waiting or s.running or s.swapped)
+
+    def run(self) -> dict[int, Result]:
+        """Step until every submitted request is done; the results by request id."""
+        while not self.done():
+            self.step()
+        return self.results
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> None:
+        """One round: the scheduler's events (swaps, admissions with their prefill, new pages),
+        then one decode step of every running sequence."""
+        for event in self.scheduler.schedule():
+            self._apply(event)
+        self._prefill_chunks()
+        running = [s for s in self.scheduler.running if s.rid in self._next_token]
+        if running:
+            b = self.slots
+            tokens, temperature, top_p = np.zeros(b, np.int32), np.zeros(b, np.float32), np.ones(b, np.float32)
+            seeds, counts = np.zeros(b, np.int32), np.zeros(b, np.int32)
+            for seq in running:
+                req = self.requests[seq.rid]
+                tokens[seq.slot] = self._next_token[seq.rid]
+                temperature[seq.slot], top_p[seq.slot], seeds[seq.slot] = req.temperature, req.top_p, req.seed
+                counts[seq.slot] = len(self.results[seq.rid].tokens)
+            nxt, self.state = _decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
+                                      jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds),
+                                      jnp.asarray(counts))
+            nxt = np.asarray(nxt)
+            for seq in running:
+                self.scheduler.advance(seq)
+                self._emit(seq, int(nxt[seq.slot]))
+        self.pages_used.append(self.scheduler.pages_in_use())
+
+    def _set_table(self, slot: int, pages: list[int]) -> None:
+        self.tables[slot] = paged.NO_PAGE
+        self.tables[slot, :len(pages)] = pages
+
+    def _apply(self, event: Event) -> None:
+        seq = event.seq
+        if event.kind == "grow":
+            self._set_table(seq.slot, seq.pages)
+        elif event.kind == "swap_out":  # a prefilling sequence's tokens are all in its one-row state
+            ids = self._padded(event.old_pages)
+            self._swapped[seq.rid] = None if seq.rid in self._prefilling else jax.device_get(
+                _read_slot(self.state, event.old_slot, ids))
+            self.tables[event.old_slot] = paged.NO_PAGE
+            self.preemptions += 1
+        elif event.kind == "swap_in":
+            self._set_table(seq.slot, seq.pages)
+            saved = self._swapped.pop(seq.rid)
+            if saved is not None:
+                self.state = _write_slot(self.state, saved, seq.slot, self._padded(seq.pages, -1),
+                                         jnp.asarray(self.tables))
+        elif event.kind == "admit":
+            self._set_table(seq.slot, seq.pages)
+            self._prefill(seq)
+
+    def _padded(self, pages, pad: int = 0) -> jax.Array:
+        ids = np.full(self.tables.shape[1], pad, np.int32)
+        ids[:len(pages)] = pages
+        return jnp.asarray(ids)
+
+    def _bucket(self, n: int) -> int:
+        return next(t for t in self.buckets if t >= n)
+
+    def _prefill(self, seq: Sequence) -> None:
+        """Prefill seq's prompt (its first 1..C tokens when chunked; `_prefill_chunks` does the rest)."""
+        req = self.requests[seq.rid]
+        n = len(req.prompt)
+        head = n if self.chunk is None else n - (n - 1) // self.chunk * self.chunk
+        bucket = self._bucket(n)
+        rows = self._pages_for(bucket) * self.page_tokens + self._spec.sink + self._spec.window if self.paged \
+            else bucket
+        tokens = np.zeros((1, self._bucket(head)), np.int32)
+        tokens[0, :head] = req.prompt[:head]
+        if rows not in self._empty_parts:  # building a state costs far more than copying one
+            self._empty_parts[rows] = generate.init_state(self.model, self.policy, 1, rows, self._chunk)
+        part = jax.tree.map(jnp.copy, self._empty_parts[rows])  # prefill donates it
+        logits, part = generate.prefill(self.model, part, tokens, np.array([head], np.int32))
+        if head < n:
+            self._prefilling[seq.rid] = (part, head)
+        else:
+            self._enter(seq, part, logits)
+
+    def _prefill_chunks(self) -> None:
+        """Up to `chunks_per_step` prompt chunks of the prefilling sequences that hold a slot."""
+        budget = self.chunks_per_step
+        for rid in list(self._prefilling):
+            seq = self._seqs[rid]
+            while budget and seq.slot is not None and rid in self._prefilling:
+                part, done = self._prefilling[rid]
+                prompt = self.requests[rid].prompt
+                logits, part = generate.extend(self.model, part, np.asarray([prompt[done:done + self.chunk]], np.int32))
+                budget -= 1
+                done += self.chunk
+                if done < len(prompt):
+                    self._prefilling[rid] = (part, done)
+                else:
+                    del self._prefilling[rid]
+                    self._enter(seq, part, logits[:, -1])
+
+    def _enter(self, seq: Sequence, part: kv_policy.KVState, logits: jax.Array) -> None:
+        """Insert seq's prefilled one-row state into its slot; its first token from `logits` [1, V]."""
+        req = self.requests[seq.rid]
+        self.state = _insert(self.state, part, jnp.int32(seq.slot), jnp.asarray(self.tables))
+        first = _sample(logits, jnp.asarray([req.temperature], jnp.float32), jnp.asarray([req.top_p], jnp.float32),
+                        jnp.asarray([req.seed], jnp.int32), jnp.zeros((1,), jnp.int32))
+        self._emit(seq, int(first[0]))
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        """Record seq's next generated token; finish it on a stop id or at max_tokens."""
+        result, req = self.results[seq.rid], self.requests[seq.rid]
+        result.tokens.append(token)
+        self._next_token.pop(seq.rid, None)
+        if token in req.stop_ids:
+            result.finish = "stop"
+        elif len(result.tokens) >= req.max_tokens:
+            result.finish = "length"
+        else:
+            self._next_token[seq.rid] = token
+            return
+        self.tables[seq.slot] = paged.NO_PAGE  # the idle slot's decode rows write nowhere
+        self.scheduler.finish(seq)

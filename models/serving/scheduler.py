@@ -1,0 +1,163 @@
+"""The serving engine's host-side bookkeeping: which sequence holds which slot and which
+pages, and in what order sequences enter, grow, leave for host memory and come back.
+
+Pure Python over `oscar_jax.paged.PageAllocator`; the engine (`engine.py`) carries out the
+events `schedule` returns on the device. Rules, in order, once per step:
+
+1. every running sequence gets the pages its next token needs, oldest admission first; when
+   too few are free, the most recently admitted running sequence is swapped out (its pages and
+   slot freed; the engine copies them to host memory first), until enough are free;
+2. swapped-out sequences come back (first out, first in) while a slot and the pages for their
+   next token are free;
+3. only when none is left swapped out, waiting requests are admitted (first come, first
+   served) while a slot and the pages for their prompt and first generated token are free.
+
+A request that could never be held (more tokens than a slot holds, or more pages than the
+pool) is refused at `submit`, so every admitted sequence can always finish: swapping out all
+younger sequences frees the whole pool for the oldest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from oscar_jax.paged import PageAllocator
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One request's place in the engine. length: tokens in its cache; pages: page ids in
+    block-table order; slot: its row while running, else None."""
+
+    rid: int
+    prompt_len: int
+    max_tokens: int
+    length: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    admitted: int = -1  # admission counter (order of entry into the running set)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """kind: "swap_out" (copy slot and pages to host, then they are freed), "swap_in" (copy back
+    into `seq.slot` and `seq.pages`), "admit" (prefill into `seq.slot`, `seq.pages`), "grow"
+    (`new_pages` appended to the sequence's block table)."""
+
+    kind: str
+    seq: Sequence
+    new_pages: tuple[int, ...] = ()
+    old_slot: int | None = None
+    old_pages: tuple[int, ...] = ()
+
+
+class Scheduler:
+    """slots: sequences decoded together (the compiled batch); num_pages: the pool (0: no paged
+    layers, slots only); pages_for(length) -> pages a sequence of that many tokens holds;
+    capacity: the most tokens one slot holds."""
+
+    def __init__(self, slots: int, num_pages: int, pages_for: Callable[[int], int], capacity: int):
+        self.slots = slots
+        self.allocator = PageAllocator(num_pages) if num_pages else None
+        self.pages_for = pages_for if num_pages else (lambda n: 0)
+        self.capacity = capacity
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
+        self.swapped: list[Sequence] = []
+        self._free_slots = list(range(slots))
+        self._admissions = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free if self.allocator else 0
+
+    def submit(self, rid: int, prompt_len: int, max_tokens: int) -> Sequence:
+        """Queue a request; ValueError if it can never be held."""
+        if prompt_len < 1 or max_tokens < 1:
+            raise ValueError(f"request {rid}: prompt of {prompt_len} tokens and max_tokens={max_tokens}: "
+                             "expected at least 1 of each")
+        most = prompt_len + max_tokens - 1  # the last token generated is never fed back
+        if most > self.capacity:
+            raise ValueError(f"request {rid} can never fit: a prompt of {prompt_len} tokens plus max_tokens="
+                             f"{max_tokens} needs {most} cache tokens and a slot holds {self.capacity}")
+        total = self.allocator.num_pages if self.allocator else 0
+        if self.pages_for(most) > total:
+            raise ValueError(f"request {rid} can never fit: it needs {self.pages_for(most)} pages and the pool "
+                             f"has {total}")
+        seq = Sequence(rid, prompt_len, max_tokens)
+        self.waiting.append(seq)
+        return seq
+
+    def _take(self, n: int) -> list[int]:
+        return self.allocator.allocate(n) if n else []
+
+    def _enter(self, seq: Sequence, length: int) -> None:
+        seq.slot = self._free_slots.pop(0)
+        seq.pages = seq.pages + self._take(self.pages_for(length) - len(seq.pages))
+        seq.admitted = self._admissions
+        self._admissions += 1
+        self.running.append(seq)
+
+    def _fits(self, length: int, held: int = 0) -> bool:
+        return bool(self._free_slots) and self.pages_for(length) - held <= self.num_free_pages
+
+    def _swap_out(self, seq: Sequence) -> Event:
+        event = Event("swap_out", seq, old_slot=seq.slot, old_pages=tuple(seq.pages))
+        self.running.remove(seq)
+        if seq.pages:
+            self.allocator.free(seq.pages)
+        self._free_slots.append(seq.slot)
+        self._free_slots.sort()
+        seq.slot, seq.pages = None, []
+        self.swapped.append(seq)
+        return event
+
+    def schedule(self) -> list[Event]:
+        """This step's events, in the order the engine must carry them out."""
+        events: list[Event] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # swapped out for an older sequence's pages
+                continue
+            need = self.pages_for(seq.length + 1) - len(seq.pages)
+            while need > self.num_free_pages and seq in self.running:
+                events.append(self._swap_out(self.running[-1]))
+            if seq in self.running and need > 0:
+                new = self._take(need)
+                seq.pages += new
+                events.append(Event("grow", seq, tuple(new)))
+        while self.swapped and self._fits(self.swapped[0].length + 1):
+            seq = self.swapped.pop(0)
+            self._enter(seq, seq.length + 1)
+            events.append(Event("swap_in", seq))
+        while not self.swapped and self.waiting and self._fits(self.waiting[0].prompt_len + 1):
+            seq = self.waiting.pop(0)
+            seq.length = seq.prompt_len
+            self._enter(seq, seq.prompt_len + 1)
+            events.append(Event("admit", seq))
+        return events
+
+    def advance(self, seq: Sequence) -> None:
+        """One more token in seq's cache (a decode step fed it)."""
+        seq.length += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """seq is done: its slot and pages are free."""
+        self.running.remove(seq)
+        if seq.pages:
+            self.allocator.free(seq.pages)
+        self._free_slots.append(seq.slot)
+        self._free_slots.sort()
+        seq.slot, seq.pages = None, []
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop seq wherever it is (waiting, running or swapped out); its slot and pages are free."""
+        if seq in self.running:
+            self.finish(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+
+    def pages_in_use(self) -> int:
+        return sum(len(s.pages) for s in self.running)

@@ -1,0 +1,232 @@
+"""`oscar serve` end to end: the real SmolLM2 on CPU (OSCAR cache) in a server subprocess on
+loopback, driven by the `openai` client, and by raw HTTP for bodies that client cannot send.
+Greedy requests give the same text whether they run alone, streamed or among 32 concurrent
+streams; bad requests get OpenAI-style 4xx errors and the server keeps serving; a client that
+goes away mid-stream frees its sequence; SIGTERM lets a running stream finish and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from oscar_jax.models import registry
+
+MODEL = "smollm2"
+PROMPTS = ["To be or not to be", "Once upon a time", "The capital of France is", "Shall I compare thee"]
+MAX_TOKENS = 6
+
+
+@dataclasses.dataclass
+class Server:
+    base: str
+    proc: subprocess.Popen
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, **kw)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.base}/metrics").text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    try:
+        registry.model_path(MODEL)
+    except registry.ModelNotInstalled:
+        pytest.skip("smollm2 package missing: run scripts/setup.sh")
+    port = _free_port()
+    oscar = [sys.executable, "-c", "from oscar_jax.models.cli import main; main()"]
+    proc = subprocess.Popen(
+        [*oscar, "serve", "--model", MODEL, "--kv", "oscar", "--port", str(port), "--slots", "8", "--max-len", "1024",
+         "--max-queue", "64", "--max-body-bytes", "65536"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    srv = Server(f"http://127.0.0.1:{port}", proc)
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited ({proc.returncode}): {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{srv.base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the server did not answer /health within 300 s")
+        time.sleep(1)
+    yield srv
+    if proc.poll() is None:
+        proc.kill()
+
+
+def _alone(client, prompt: str, **kw) -> openai.types.Completion:
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, **kw)
+
+
+def test_completions_chat_streaming_and_stop_strings(server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    done = _alone(client, PROMPTS[0])
+    text = done.choices[0].text
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == MAX_TOKENS and text
+    streamed = _alone(client, PROMPTS[0], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+    # a stop string cuts the text before it, finish "stop"
+    words = text.split()
+    stop = " " + words[len(words) // 2]
+    cut = _alone(client, PROMPTS[0], stop=[stop, "never-produced"])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    reply = chat.choices[0].message
+    assert reply.role == "assistant" and reply.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.content
+    assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+
+def _raw(server, body: bytes | dict, path: str = "/v1/completions") -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.base}{path}", content=content, headers={"content-type": "application/json"})
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    ok = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    cases = [
+        (b"{not json", 400, None),
+        ({"prompt": "hello"}, 400, "model"),
+        ({**ok, "max_tokens": "many"}, 400, "max_tokens"),
+        ({**ok, "max_tokens": 0}, 400, "max_tokens"),
+        ({**ok, "temperature": -1}, 400, "temperature"),
+        ({**ok, "prompt": "hello " * 1100}, 400, "prompt"),  # longer than a slot's 1024 tokens
+        ({**ok, "model": "gpt-4"}, 404, "model"),
+        ({**ok, "prompt": "x" * 70000}, 413, None),  # past --max-body-bytes
+        ({**ok, "n": 2}, 400, "n"),
+        ({**ok, "logprobs": 3}, 400, "logprobs"),
+        ({**ok, "frobnicate": True}, 400, "frobnicate"),
+    ]
+    for body, status, param in cases:
+        r = _raw(server, body)
+        assert r.status_code == status, (body if isinstance(body, bytes) else {**body, "prompt": "..."}, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["type"]
+        if param:
+            assert error["param"] == param and param in error["message"], error
+    r = _raw(server, {"model": MODEL, "messages": []}, "/v1/chat/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hello", max_tokens=2)
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    assert client.completions.create(**ok).choices[0].text is not None
+
+
+def test_32_concurrent_streams_each_get_their_text_alone(server):
+    client = server.client()
+    alone = {p: _alone(client, p).choices[0].text for p in PROMPTS}
+    aclient = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                  temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run():
+        prompts = PROMPTS * 8
+        return prompts, await asyncio.gather(*(one(p) for p in prompts))
+
+    prompts, texts = asyncio.run(run())
+    assert len(texts) == 32
+    for prompt, text in zip(prompts, texts):
+        assert text == alone[prompt], prompt
+
+
+def test_a_client_leaving_mid_stream_frees_its_sequence(server):
+    cancelled = 'oscar_requests_total{finish="cancelled"}'
+    before = server.metric(cancelled)
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = r.iter_lines()
+        while not next(events).startswith("data: "):
+            pass
+    deadline = time.monotonic() + 60  # far less than 900 tokens take
+    while server.metric(cancelled) <= before or server.metric("oscar_requests_running") > 0:
+        assert time.monotonic() < deadline, "the abandoned request is still running"
+        time.sleep(0.5)
+    assert server.metric("oscar_kv_pages_used") == 0
+
+
+def test_sigterm_finishes_the_running_stream_then_exits_0(server):
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0, "stream": True}
+    lines = []
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=120) as r:
+        for line in filter(None, r.iter_lines()):
+            lines.append(line)
+            if len(lines) == 1:
+                server.proc.send_signal(signal.SIGTERM)
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert server.proc.wait(timeout=60) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.base}/health", timeout=2)
+
+
+def test_admission_queue_is_bounded_429_then_drains():
+    """In process, with a tiny random decoder: past `max_queue` waiting requests a submission is
+    refused with 429 and a Retry-After; once the engine has taken the queue, submissions pass."""
+    from flax import nnx
+
+    from oscar_jax.models import kv_policy
+    from oscar_jax.models.config import ModelConfig
+    from oscar_jax.models.decoder import Decoder
+    from oscar_jax.models.serving import Engine, Request, api, server as srv
+
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, rms_eps=1e-6, rope_theta=1e4,
+                      layer_types=("full_attention",))
+    engine = Engine(Decoder(cfg, rngs=nnx.Rngs(0)), kv_policy.make_policy("bf16", implementation="xla"),
+                    slots=1, max_len=32)
+    loop = srv.EngineLoop(engine, srv.Metrics(), max_queue=2)
+
+    async def run():
+        job = lambda: srv._Job(Request((1, 2, 3), 2), asyncio.Queue(), asyncio.get_running_loop())
+        first = [job(), job()]
+        for j in first:
+            loop.submit(j)
+        with pytest.raises(api.APIError) as refused:
+            loop.submit(job())
+        assert refused.value.status == 429 and refused.value.headers["Retry-After"]
+        loop.start()
+        for j in first:  # both run to the end: token lists, then their finish reason
+            items = [await j.tokens.get()]
+            while not isinstance(items[-1], str):
+                items.append(await j.tokens.get())
+            assert sum(map(len, items[:-1])) == 2 and items[-1] == "length"
+        loop.submit(job())  # the queue is empty again
+        loop.stop()
+
+    asyncio.run(run())
