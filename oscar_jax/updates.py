@@ -177,7 +177,8 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *
         if impl == "pallas":
             cfg = spec.quant
             arrays = append_token.append_token(
-                x_rot[:, :, 0], n, ok, clip, *(getattr(cache, name) for name in names), window=w, bits=bits,
+                x_rot[:, :, 0], n, n - w - s0, ok, clip, *(getattr(cache, name) for name in names), window=w,
+                bits=bits,
                 levels=cfg.levels, group_size=spec.group_size,
                 span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
                 channel_major=layout.CHANNEL_MAJOR[which], interpret=interpret)
