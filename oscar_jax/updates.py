@@ -238,7 +238,8 @@ def _append_token(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerPa
                  f"hist_scale_{which}")
         x_rot = _rotate(x, rot).astype(STORE_DTYPE)[:, :, 0]  # [B, H, D]
         updates.update(zip(names, append_token.append_token(
-            x_rot, n, ok, clip, *(getattr(cache, name) for name in names), window=spec.window, bits=cfg.bits,
+            x_rot, n, n - spec.window - spec.sink, ok, clip, *(getattr(cache, name) for name in names),
+            window=spec.window, bits=cfg.bits,
             levels=cfg.levels, group_size=spec.group_size, span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
             channel_major=layout.CHANNEL_MAJOR[which], interpret=interpret)))
     return dataclasses.replace(cache, **updates, lengths=jnp.where(ok, n + 1, n), overflow=cache.overflow | ~ok)

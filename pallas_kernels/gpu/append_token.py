@@ -24,8 +24,8 @@ from jax.experimental.pallas import triton as plgpu
 from oscar_jax.pallas_kernels.gpu.quantize_pack import quantize_group
 
 
-def _kernel(lengths_ref, ok_ref, clip_ref, x_ref, *refs, sink_len, window, bits, levels, group_size, span,
-            scale_dtype, channel_major):
+def _kernel(lengths_ref, index_ref, ok_ref, clip_ref, x_ref, *refs, sink_len, window, bits, levels, group_size,
+            span, scale_dtype, channel_major):
     sink_ref, ring_ref, codes_ref, lo_ref, scale_ref = refs[5:]  # the outputs, aliased to refs[:5]
     b, h = pl.program_id(0), pl.program_id(1)
     d = x_ref.shape[2]
@@ -39,10 +39,10 @@ def _kernel(lengths_ref, ok_ref, clip_ref, x_ref, *refs, sink_len, window, bits,
                     mask=full(ok & (n < sink_len), (d,)))
     in_ring = ok & (n >= sink_len)
     slot = lax.rem(jnp.maximum(n - sink_len, 0), window)
-    hist = n - window - sink_len  # the history index of the token leaving the ring
+    hist = index_ref[b]  # where the token leaving the ring goes in these history arrays
     rows = codes_ref.shape[3 if channel_major else 2]
     if rows:
-        write = in_ring & (hist >= 0)
+        write = in_ring & (hist >= 0) & (hist < rows * tpb)
         at = jnp.maximum(hist, 0)
         row, sub = jnp.minimum(at // tpb, rows - 1), at % tpb
         shift = bits * sub
@@ -66,13 +66,15 @@ def _kernel(lengths_ref, ok_ref, clip_ref, x_ref, *refs, sink_len, window, bits,
     plgpu.store(ring_ref.at[b, h, slot, pl.ds(0, d)], x, mask=full(in_ring, (d,)))
 
 
-def append_token(x, lengths, ok, clip, sink, ring, codes, lo, scale, *, window: int, bits: int,
+def append_token(x, lengths, index, ok, clip, sink, ring, codes, lo, scale, *, window: int, bits: int,
                  levels: tuple[float, ...], group_size: int, span: float | None, channel_major: bool,
                  interpret: bool = False):
     """Append one rotated token per row to K's or V's arrays of one layer, in place.
 
     x: bf16 [B, Hkv, D] (rotated, as the cache stores it); lengths int32 [B] (tokens held
-    before the append); ok bool [B] (rows to update); clip f32 []; sink bf16 [B, Hkv, S0, D];
+    before the append); index int32 [B]: the index in these history arrays of the token the
+    new one pushes out of the ring (lengths - W - S0 for a whole history; not written where
+    outside [0, R*tpb)); ok bool [B] (rows to update); clip f32 []; sink bf16 [B, Hkv, S0, D];
     ring bf16 [B, Hkv, W, D]; codes uint8 [B, Hkv, R, D] ([B, Hkv, D, R] when channel_major);
     lo, scale [B, Hkv, D/G, tpb, R]. span: None for the uniform quantiser, else the Lloyd-Max
     spread factor. Returns the updated (sink, ring, codes, lo, scale).
@@ -86,7 +88,7 @@ def append_token(x, lengths, ok, clip, sink, ring, codes, lo, scale, *, window: 
         group_size=group_size, span=span, scale_dtype=lo.dtype, channel_major=channel_major)
     arrays = (sink, ring, codes, lo, scale)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
-    inputs = (lengths.astype(jnp.int32), ok.astype(jnp.int32),
+    inputs = (lengths.astype(jnp.int32), index.astype(jnp.int32), ok.astype(jnp.int32),
               jnp.reshape(jnp.asarray(clip, jnp.float32), (1,)), x.astype(jnp.bfloat16), *arrays)
     return pl.pallas_call(
         kernel,
@@ -94,7 +96,7 @@ def append_token(x, lengths, ok, clip, sink, ring, codes, lo, scale, *, window: 
         in_specs=[whole(a) for a in inputs],
         out_specs=[whole(a) for a in arrays],
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-        input_output_aliases={4 + i: i for i in range(len(arrays))},
+        input_output_aliases={5 + i: i for i in range(len(arrays))},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="oscar_append_token",
