@@ -145,13 +145,17 @@ def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits
 # Public updates (per-layer view)
 
 
-def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -> OscarCache:
+def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *,
+           history_offset=0) -> OscarCache:
     """Append C new tokens to every sequence of one layer's cache.
 
     k, v: [B, C, Hkv, D] post-RoPE, unrotated, C <= W. The tokens are rotated on
     entry; the C oldest recent tokens that leave the ring are quantised into the
     history. A row whose lengths + C would pass max_len raises outside jit; inside
     jit it is left unchanged and its `overflow` flag is set.
+    history_offset (int or traced int32; sequence parallelism, `oscar_jax.parallel`): the
+    history arrays hold history indices [history_offset, history_offset + T_local) of a longer
+    history; a token evicted outside them is not written here.
     """
     spec = cache.spec
     _check_inputs("append", cache, k, v, params)
@@ -179,7 +183,7 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -
         evicted = jnp.moveaxis(evicted, 1, 2)  # [B, H, C, D]
         q = quant.quantize(evicted, spec.quant, clip)
         # New token i evicts history index n + i - W - S0 (kept where >= 0).
-        start = n - w - s0
+        start = n - w - s0 - history_offset
         hist = (getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
                 getattr(cache, f"hist_scale_{which}"))
         if c == 1:
