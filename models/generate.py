@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax import sharding
 from oscar_jax.models import kv_policy
 from oscar_jax.models.decoder import PREFILL_CHUNK_TOKENS, Decoder, prefill_layer, rotation_digest
 
@@ -134,12 +135,16 @@ def prefill(model: Decoder, kv: kv_policy.KVState, tokens, lengths, *, chunk_tok
     model.check_output_basis("prefill", kv)
     x = _embed(model, tokens)
     layers = list(kv.layers)
+    on_mesh = isinstance(getattr(kv.lengths, "sharding", None), jax.sharding.NamedSharding)
     for i in range(model.cfg.num_layers):
         args, kwargs = _prefill_args(model, kv, i, x, lengths, chunk_tokens, attention)
         program = None if programs is None else programs.get((kwargs["kind"], jax.tree.structure(args[3])))
+        shardings = jax.tree.map(lambda a: a.sharding, layers[i]) if on_mesh else None
         x, layers[i] = program(*args) if program is not None else prefill_layer(*args, **kwargs)
-    if isinstance(getattr(kv.lengths, "sharding", None), jax.sharding.NamedSharding):
-        lengths = jax.device_put(lengths, kv.lengths.sharding)  # the state keeps its layout on a mesh
+        if on_mesh:  # the state keeps its layout (the decode program's), whatever the prefill's partitioner chose
+            layers[i] = jax.device_put(layers[i], shardings)
+    if on_mesh:
+        lengths = jax.device_put(lengths, kv.lengths.sharding)
     return _last_logits(model, x, lengths), kv_policy.KVState(tuple(layers), lengths)
 
 
@@ -252,7 +257,8 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
     while i < max_new_tokens:
         i = min(i + segment, max_new_tokens)
         if shardings is not None:  # the loop state as the program takes it (a local slice, no transfer)
-            loop = jax.device_put(loop, shardings)
+            loop, key = jax.device_put((loop, key), (shardings, jax.sharding.NamedSharding(kv.lengths.sharding.mesh,
+                                                                                         sharding.spec())))
         loop, key, kv = run(model, kv, loop, key, jnp.int32(i), eos)
         finished = bool(jnp.all(loop[3]))  # waits for the call
         if (on_segment is not None and on_segment(i)) or finished:
@@ -269,8 +275,7 @@ def _loop_shardings(kv: kv_policy.KVState, loop):
     if not isinstance(s, jax.sharding.NamedSharding):
         return None
     batch = s.spec[0] if len(s.spec) else None
-    return jax.tree.map(lambda x: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(
-        *((batch,) + (None,) * (x.ndim - 1) if x.ndim else ()))), loop)
+    return jax.tree.map(lambda x: jax.sharding.NamedSharding(s.mesh, sharding.spec(batch if x.ndim else None)), loop)
 
 
 def _eos_array(eos_ids: Sequence[int]) -> jax.Array:

@@ -35,7 +35,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from oscar_jax import attention, cache as oc, parallel, rotation, sharding, updates
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
@@ -368,13 +367,13 @@ def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, st
         if isinstance(layer, oc.RingCache):
             return sharding.shardings(layer, mesh, rules)
         b, _, h, _ = layer.k.shape
-        kv = named(P(axis("batch", b), None, axis("kv_heads", h), None))
-        scale = named(P(axis("batch", b), axis("kv_heads", h)))
+        kv = named(sharding.spec(axis("batch", b), None, axis("kv_heads", h), None))
+        scale = named(sharding.spec(axis("batch", b), axis("kv_heads", h)))
         scales = {"k_scale": scale, "v_scale": scale} if dense_cache._scales(layer)[0] is not None else {}
-        return dataclasses.replace(layer, k=kv, v=kv, lengths=named(P(axis("batch", b))), **scales)
+        return dataclasses.replace(layer, k=kv, v=kv, lengths=named(sharding.spec(axis("batch", b))), **scales)
 
     b = state.lengths.shape[0]
-    return KVState(tuple(layer_shardings(layer) for layer in state.layers), named(P(axis("batch", b))))
+    return KVState(tuple(layer_shardings(layer) for layer in state.layers), named(sharding.spec(axis("batch", b))))
 
 
 def seq_max_len(policy, cfg, batch: int, max_len: int, chunk: int, parts: int) -> int:

@@ -81,7 +81,7 @@ def param_spec(cfg: ModelConfig, mesh: Mesh, name: str, ndim: int) -> P:
     """The PartitionSpec of decoder parameter `name` (a layer's "wq", ... or "embed", "lm_head",
     "final_norm") of `ndim` dimensions; replicated where the rules table names no split."""
     axes = _weight_axes(cfg).get(name, (None,) * ndim)
-    return P(*(None if a is None else sharding.mesh_axis(a[0], a[1], mesh) for a in axes))
+    return sharding.spec(*(None if a is None else sharding.mesh_axis(a[0], a[1], mesh) for a in axes))
 
 
 def param_sharding(cfg: ModelConfig, mesh: Mesh, name: str, ndim: int) -> NamedSharding:

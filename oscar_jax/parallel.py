@@ -68,8 +68,8 @@ def seq_max_len(spec: CacheSpec, parts: int) -> int:
 def _query_spec(cache_specs: OscarCache) -> P:
     """q, k, v, o [B, C, H, D]: batch and heads as the cache splits them (query head h * g + i
     belongs to KV head h, so contiguous blocks of query heads go with their KV heads)."""
-    batch, heads = cache_specs.recent_k[0], cache_specs.recent_k[1]
-    return P(batch, None, heads, None)
+    batch, heads = (*cache_specs.recent_k, None, None)[:2]
+    return sharding.spec(batch, None, heads)
 
 
 def append_attend(cache: OscarCache, params: LayerParams, q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -86,9 +86,19 @@ def append_attend(cache: OscarCache, params: LayerParams, q: jax.Array, k: jax.A
         raise ValueError(f"implementation={implementation!r}: a history split over {seq!r} is attended in XLA "
                          "per slice; expected 'auto' or 'xla'")
     spec, local = cache.spec, local_spec(cache.spec, mesh, rules)
+    # Zero-size arrays (a cache without history) stay outside shard_map (XLA:CPU cannot compile
+    # them there): each device makes its own empty one.
+    empty = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
+             if not f.metadata.get("static") and getattr(cache, f.name).size == 0}
+    local_shape = lambda x, spec: tuple(n // mesh.shape[a] if a else n
+                                        for n, a in zip(x.shape, (*spec, *[None] * x.ndim)))
+    local_empty = {name: jax.ShapeDtypeStruct(local_shape(x, getattr(cache_specs, name)), x.dtype)
+                   for name, x in empty.items()}
+    cache, cache_specs = (dataclasses.replace(t, **dict.fromkeys(empty)) for t in (cache, cache_specs))
 
     def body(cache, params, q, k, v):
-        cache = dataclasses.replace(cache, spec=local)
+        zeros = {n: jnp.zeros(x.shape, x.dtype) for n, x in local_empty.items()}
+        cache = dataclasses.replace(cache, spec=local, **zeros)
         if seq is None:
             cache = updates.append(cache, k, v, params)
             o, _ = attention.attend(q, cache, params, implementation=implementation, softmax_scale=softmax_scale)
@@ -101,7 +111,8 @@ def append_attend(cache: OscarCache, params: LayerParams, q: jax.Array, k: jax.A
                 return parts[..., :-1], parts[..., -1]
 
             o, _ = reference.attend(q, cache, params, softmax_scale, history_offset=offset, gather_history=gather)
-        return o, dataclasses.replace(cache, spec=spec)
+        return o, dataclasses.replace(cache, spec=spec, **dict.fromkeys(empty))
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(cache_specs, param_specs, qkv, qkv, qkv),
-                         out_specs=(qkv, cache_specs), check_vma=False)(cache, params, q, k, v)
+    o, cache = jax.shard_map(body, mesh=mesh, in_specs=(cache_specs, param_specs, qkv, qkv, qkv),
+                             out_specs=(qkv, cache_specs), check_vma=False)(cache, params, q, k, v)
+    return o, dataclasses.replace(cache, **empty)

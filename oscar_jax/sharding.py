@@ -53,6 +53,15 @@ def mesh_axis(logical: str | None, count: int, mesh: Mesh, rules: dict[str, str]
     return m if m is not None and m in mesh.shape and count % mesh.shape[m] == 0 else None
 
 
+def spec(*axes: str | None) -> P:
+    """PartitionSpec of `axes` without its trailing Nones: the form a compiled program returns,
+    so that a jitted step's outputs equal its inputs' shardings (one compilation)."""
+    axes = list(axes)
+    while axes and axes[-1] is None:
+        axes.pop()
+    return P(*axes)
+
+
 def partition_specs(tree, mesh: Mesh, rules: dict[str, str] | None = None):
     """PartitionSpec pytree (same structure as `tree`: an OscarCache, RingCache or
     LayerParams, stacked or per-layer) for `mesh`."""
@@ -63,7 +72,7 @@ def partition_specs(tree, mesh: Mesh, rules: dict[str, str] | None = None):
     def spec_for(name, x):
         axes = logical[name]
         axes = ("layers",) * (x.ndim - len(axes)) + axes
-        return P(*(mesh_axis(axis, size, mesh, rules) for axis, size in zip(axes, x.shape)))
+        return spec(*(mesh_axis(axis, size, mesh, rules) for axis, size in zip(axes, x.shape)))
 
     fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)
               if not f.metadata.get("static")}
