@@ -85,6 +85,9 @@ class KVState:
 
 def write_prompt(layer, k: jax.Array, v: jax.Array, lengths: jax.Array):
     """Bulk write of whole prompts into one layer. k, v [B, T, Hkv, D] post-RoPE; lengths [B]."""
+    if isinstance(layer, OscarLayer) and layer.mesh is not None:
+        return dataclasses.replace(layer, cache=parallel.write_prompt(layer.cache, k, v, lengths, layer.params,
+                                                                      mesh=layer.mesh))
     if isinstance(layer, OscarLayer):
         return dataclasses.replace(layer, cache=updates.write_prompt(layer.cache, k, v, lengths, layer.params))
     if isinstance(layer, oc.RingCache):

@@ -72,47 +72,75 @@ def _query_spec(cache_specs: OscarCache) -> P:
     return sharding.spec(batch, None, heads)
 
 
+def _on_shards(fn, cache: OscarCache, params: LayerParams, args: tuple, arg_specs: tuple, out_spec, mesh: Mesh,
+               rules: dict[str, str] | None):
+    """fn(local cache, local params, *local args) -> (out, local cache), run on every device's shard
+    by shard_map; returns (out, cache). The local cache carries `local_spec`. Zero-size arrays (a
+    cache without history) stay outside shard_map (XLA:CPU cannot compile them there): each device
+    makes its own empty one."""
+    cache_specs = sharding.partition_specs(cache, mesh, rules)
+    param_specs = sharding.partition_specs(params, mesh, rules)
+    spec, local = cache.spec, local_spec(cache.spec, mesh, rules)
+    empty = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
+             if not f.metadata.get("static") and getattr(cache, f.name).size == 0}
+    local_shape = lambda x, p: tuple(n // mesh.shape[a] if a else n for n, a in zip(x.shape, (*p, *[None] * x.ndim)))
+    local_empty = {name: jax.ShapeDtypeStruct(local_shape(x, getattr(cache_specs, name)), x.dtype)
+                   for name, x in empty.items()}
+    cache, cache_specs = (dataclasses.replace(t, **dict.fromkeys(empty)) for t in (cache, cache_specs))
+
+    def body(cache, params, *args):
+        zeros = {n: jnp.zeros(x.shape, x.dtype) for n, x in local_empty.items()}
+        out, cache = fn(dataclasses.replace(cache, spec=local, **zeros), params, *args)
+        return out, dataclasses.replace(cache, spec=spec, **dict.fromkeys(empty))
+
+    out, cache = jax.shard_map(body, mesh=mesh, in_specs=(cache_specs, param_specs, *arg_specs),
+                               out_specs=(out_spec, cache_specs), check_vma=False)(cache, params, *args)
+    return out, dataclasses.replace(cache, **empty)
+
+
 def append_attend(cache: OscarCache, params: LayerParams, q: jax.Array, k: jax.Array, v: jax.Array, *,
                   mesh: Mesh, implementation: str = "auto", softmax_scale: float | None = None,
                   rules: dict[str, str] | None = None) -> tuple[jax.Array, OscarCache]:
     """`updates.append` of k, v then `attention.attend` of q over one layer's cache sharded on
     `mesh` (`sharding.shardings(cache, mesh, rules)`), each device on its shard.
     q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE (global shapes). Returns (o [B, C, Hq, D], cache)."""
-    cache_specs = sharding.partition_specs(cache, mesh, rules)
-    param_specs = sharding.partition_specs(params, mesh, rules)
-    qkv = _query_spec(cache_specs)
+    qkv = _query_spec(sharding.partition_specs(cache, mesh, rules))
     seq = seq_axis(cache, mesh, rules)
     if seq is not None and implementation not in ("auto", "xla"):
         raise ValueError(f"implementation={implementation!r}: a history split over {seq!r} is attended in XLA "
                          "per slice; expected 'auto' or 'xla'")
-    spec, local = cache.spec, local_spec(cache.spec, mesh, rules)
-    # Zero-size arrays (a cache without history) stay outside shard_map (XLA:CPU cannot compile
-    # them there): each device makes its own empty one.
-    empty = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
-             if not f.metadata.get("static") and getattr(cache, f.name).size == 0}
-    local_shape = lambda x, spec: tuple(n // mesh.shape[a] if a else n
-                                        for n, a in zip(x.shape, (*spec, *[None] * x.ndim)))
-    local_empty = {name: jax.ShapeDtypeStruct(local_shape(x, getattr(cache_specs, name)), x.dtype)
-                   for name, x in empty.items()}
-    cache, cache_specs = (dataclasses.replace(t, **dict.fromkeys(empty)) for t in (cache, cache_specs))
 
     def body(cache, params, q, k, v):
-        zeros = {n: jnp.zeros(x.shape, x.dtype) for n, x in local_empty.items()}
-        cache = dataclasses.replace(cache, spec=local, **zeros)
         if seq is None:
             cache = updates.append(cache, k, v, params)
-            o, _ = attention.attend(q, cache, params, implementation=implementation, softmax_scale=softmax_scale)
-        else:
-            offset = jax.lax.axis_index(seq) * (cache.hist_codes_k.shape[-2] * local.quant.tokens_per_byte)
-            cache = updates.append(cache, k, v, params, history_offset=offset)
+            return attention.attend(q, cache, params, implementation=implementation,
+                                    softmax_scale=softmax_scale)[0], cache
+        offset = jax.lax.axis_index(seq) * (cache.hist_codes_k.shape[-2] * cache.spec.quant.tokens_per_byte)
+        cache = updates.append(cache, k, v, params, history_offset=offset)
 
-            def gather(o, lse):  # one all_gather of the packed partials over `seq`
-                parts = jax.lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), seq)
-                return parts[..., :-1], parts[..., -1]
+        def gather(o, lse):  # one all_gather of the packed partials over `seq`
+            parts = jax.lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), seq)
+            return parts[..., :-1], parts[..., -1]
 
-            o, _ = reference.attend(q, cache, params, softmax_scale, history_offset=offset, gather_history=gather)
-        return o, dataclasses.replace(cache, spec=spec, **dict.fromkeys(empty))
+        return reference.attend(q, cache, params, softmax_scale, history_offset=offset, gather_history=gather)[0], cache
 
-    o, cache = jax.shard_map(body, mesh=mesh, in_specs=(cache_specs, param_specs, qkv, qkv, qkv),
-                             out_specs=(qkv, cache_specs), check_vma=False)(cache, params, q, k, v)
-    return o, dataclasses.replace(cache, **empty)
+    return _on_shards(body, cache, params, (q, k, v), (qkv,) * 3, qkv, mesh, rules)
+
+
+def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: jax.Array, params: LayerParams, *,
+                 mesh: Mesh, implementation: str = "auto", rules: dict[str, str] | None = None) -> OscarCache:
+    """`updates.write_prompt` of whole prompts (k, v [B, T, Hkv, D], prompt_lengths [B]) into one
+    layer's cache sharded on `mesh`: over `data` and `model` each device writes its own rows and
+    heads through `write_prompt`'s implementation (the bulk write kernels run per device); a
+    history split over `seq` is written by the partitioner (XLA's quantiser on each slice; a kernel
+    implementation runs once over the whole layer, then is sliced)."""
+    if seq_axis(cache, mesh, rules) is not None:
+        return updates.write_prompt(cache, k, v, prompt_lengths, params, implementation=implementation)
+    cache_specs = sharding.partition_specs(cache, mesh, rules)
+    kv = _query_spec(cache_specs)
+
+    def body(cache, params, k, v, n):
+        return None, updates.write_prompt(cache, k, v, n, params, implementation=implementation)
+
+    return _on_shards(body, cache, params, (k, v, prompt_lengths), (kv, kv, cache_specs.lengths), None, mesh,
+                      rules)[1]
