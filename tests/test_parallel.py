@@ -178,3 +178,23 @@ def test_cli_generate_mesh():
     assert sharded.output.splitlines()[0] == plain.output.splitlines()[0]
     bad = CliRunner().invoke(app, args + ["--mesh", "model=8"])
     assert bad.exit_code == 2 and "--mesh model=8" in bad.output and "4 query heads" in bad.output
+
+
+def test_parallel_plan_formulas_and_the_documented_table():
+    """bench/parallel_plan.py: the KV sizes of the issue's shapes (1M tokens: 8B 137 GB in bf16,
+    19.6 GB at 2.28 bits), its collective payloads by formula, and docs/serving.md holding its table."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).parents[1] / "bench" / "parallel_plan.py"
+    spec = importlib.util.spec_from_file_location("bench_parallel_plan", path)
+    plan = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses need it registered
+    spec.loader.exec_module(plan)
+    m = 2 ** 20
+    assert plan.kv_bytes(plan.LLAMA3_8B, 1, m, 16, 1, 1, 1) == 2 * 32 * 8 * 128 * m * 2
+    assert round(plan.kv_bytes(plan.LLAMA3_8B, 1, m, plan.OSCAR_BITS, 1, 1, 1) / 1e9, 1) == 19.6
+    assert plan.kv_bytes(plan.LLAMA3_70B, 4, m, 16, 2, 8, 4) == 2 * 80 * 4 * 8 * 128 * m * 2 / 64
+    assert plan.kv_bytes(plan.LLAMA3_70B, 1, m, 16, 1, 16, 4) == 2 * 80 * 8 * 128 * m * 2 / 4  # 8 heads on 16: whole
+    assert plan.collective_bytes(plan.LLAMA3_8B, 8, 2, 4, 2) == (2 * 32 * 4 * 4096 * 2, 32 * 4 * 8 * 129 * 4)
+    assert round(plan.weight_bytes(plan.LLAMA3_8B, 1) / 1e9, 2) == 16.06
+    assert plan.table() in (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
