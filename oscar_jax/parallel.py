@@ -1,4 +1,5 @@
-"""One layer's append + attend on a device mesh, inside `jax.shard_map` (docs/ARCHITECTURE.md §6).
+"""One layer's append + attend and prompt write on a device mesh, inside `jax.shard_map`
+(docs/ARCHITECTURE.md §6, docs/serving.md §7).
 
 The cache and its params lie as `oscar_jax.sharding` places them: batch over `data`, KV heads
 (with their query heads) over `model`, and the quantised history's tokens over `seq`. Each
