@@ -86,13 +86,16 @@ def _heads(layer) -> tuple[int, int]:
     return (spec.kv_heads, spec.head_dim) if spec is not None else tuple(layer.k.shape[-2:])
 
 
-def filled_state(model: Decoder, policy, batch: int, context: int, max_len: int, seed: int = 0) -> kv_policy.KVState:
-    """A KV state of `batch` sequences holding `context` random tokens each (capacity max_len)."""
-    kv = gen.init_state(model, policy, batch, max_len)
-    one = gen.init_state(model, policy, 1, max_len)
+def filled_state(model: Decoder, policy, batch: int, context: int, max_len: int, seed: int = 0,
+                 mesh: jax.sharding.Mesh | None = None) -> kv_policy.KVState:
+    """A KV state of `batch` sequences holding `context` random tokens each (capacity max_len;
+    with `mesh`, in its shards there)."""
+    kv = gen.init_state(model, policy, batch, max_len, mesh=mesh)
+    one = gen.init_state(model, policy, 1, max_len, mesh=mesh)
     keys = jax.random.split(jax.random.key(seed), len(kv.layers))
     layers = tuple(_fill_layer(o, f, k, context=context) for o, f, k in zip(one.layers, kv.layers, keys))
-    return kv_policy.KVState(layers, jnp.full((batch,), context, jnp.int32))
+    kv = kv_policy.KVState(layers, jnp.full((batch,), context, jnp.int32))
+    return kv if mesh is None else jax.device_put(kv, kv_policy.state_shardings(kv, mesh))
 
 
 def time_decode(model: Decoder, kv: kv_policy.KVState, *, steps: int, segment: int, warmup: int = 1) -> dict:
@@ -111,13 +114,14 @@ def time_decode(model: Decoder, kv: kv_policy.KVState, *, steps: int, segment: i
     return {"per_token_s": per_token[warmup:], "decode_compile_s": compile_s, "kv": kv}
 
 
-def time_to_first_token(model: Decoder, policy, context: int, seed: int = 0) -> dict:
+def time_to_first_token(model: Decoder, policy, context: int, seed: int = 0,
+                        mesh: jax.sharding.Mesh | None = None) -> dict:
     """Prefill one random prompt of `context` tokens and sample its first token: compile
     seconds, and the time of the second run (the first warms the device's autotuning)."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, model.cfg.vocab_size, (1, context), dtype=np.int32)
     lengths = np.array([context], np.int32)
-    kv = gen.init_state(model, policy, 1, context + 1)
+    kv = gen.init_state(model, policy, 1, context + 1, mesh=mesh)
     t0 = time.perf_counter()
     programs = gen.compile_prefill(model, kv, tokens, lengths)
     compile_s = time.perf_counter() - t0
@@ -128,6 +132,14 @@ def time_to_first_token(model: Decoder, policy, context: int, seed: int = 0) -> 
         jnp.argmax(logits, -1).block_until_ready()
         seconds.append(time.perf_counter() - t0)
     return {"ttft_s": seconds[-1], "ttft_first_run_s": seconds[0], "prefill_compile_s": compile_s}
+
+
+def per_device_bytes(model: Decoder, kv_bytes: float, mesh: jax.sharding.Mesh | None) -> float:
+    """Weight bytes over the `model` axis plus `kv_bytes` over every device: what one device of
+    `mesh` holds and reads in a step when everything splits evenly (one device: the sum)."""
+    if mesh is None:
+        return weight_bytes(model) + kv_bytes
+    return weight_bytes(model) / mesh.shape.get("model", 1) + kv_bytes / mesh.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +153,16 @@ class BenchSpec:
     budget_gib: float = 48.0
     batches: tuple[int, ...] | None = None  # fixed batches instead of the largest that fits the budget
     ttft: tuple[str, ...] | None = None  # schemes whose time to first token is measured (None: every one)
+    mesh: jax.sharding.Mesh | None = None  # the devices (models.parallel); None: one device
+
+
+def budget_batch(per_seq: int, spec: "BenchSpec") -> int:
+    """The most sequences of `per_seq` bytes whose K/V fit the budget (per device on a mesh, the
+    batch a multiple of the `data` axis)."""
+    if spec.mesh is None:
+        return int(spec.budget_gib * GIB // per_seq)
+    data = spec.mesh.shape.get("data", 1)
+    return int(spec.budget_gib * GIB * spec.mesh.size // per_seq) // data * data
 
 
 def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpec, bandwidth: float,
@@ -149,7 +171,7 @@ def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpe
     (None: the most that fit the budget)."""
     new_tokens = 1 + spec.segment + spec.steps
     per_seq = sequence_bytes(model, policy, context)
-    row = {"kv": name, "context": context, "batch": batch or int(spec.budget_gib * GIB // per_seq),
+    row = {"kv": name, "context": context, "batch": batch or budget_batch(per_seq, spec),
            "kv_bytes_per_sequence": per_seq, "budget_gib": None if batch else spec.budget_gib}
     batch = row["batch"]
     if batch < 1:
@@ -157,12 +179,12 @@ def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpe
     if context <= new_tokens:
         return {**row, "error": f"context {context} must exceed the {new_tokens} decoded tokens"}
     stats = jax.devices()[0].memory_stats() or {}
-    need = batch * per_seq + weight_bytes(model)
+    need = per_device_bytes(model, batch * per_seq, spec.mesh)
     if "bytes_limit" in stats and need > 0.95 * stats["bytes_limit"]:
         return {**row, "error": f"needs {need / GIB:.1f} GiB of the device's {stats['bytes_limit'] / GIB:.1f}"}
     serve_model, serve_policy = fold_values(model, policy)
     t0 = time.perf_counter()
-    kv = filled_state(serve_model, serve_policy, batch, context - new_tokens, context)
+    kv = filled_state(serve_model, serve_policy, batch, context - new_tokens, context, mesh=spec.mesh)
     jax.block_until_ready(kv)
     row["fill_s"] = time.perf_counter() - t0
     held = kv_policy.held_bytes(kv)
@@ -171,12 +193,12 @@ def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpe
     del kv, timed["kv"]
     per_token = timed["per_token_s"]
     p50 = float(np.median(per_token))
-    roofline = (weight_bytes(serve_model) + held) / bandwidth
+    roofline = per_device_bytes(serve_model, held, spec.mesh) / bandwidth
     row.update(tpot_p50_ms=1e3 * p50, tpot_p99_ms=1e3 * float(np.percentile(per_token, 99)),
                decode_tokens_per_s=batch / p50, roofline_ms=1e3 * roofline, step_over_roofline=p50 / roofline,
                ceiling_vs_bf16=16.0 / row["bits_per_element"], decode_compile_s=timed["decode_compile_s"])
     if spec.ttft is None or name in spec.ttft:
-        row.update(time_to_first_token(serve_model, serve_policy, context))
+        row.update(time_to_first_token(serve_model, serve_policy, context, mesh=spec.mesh))
     return row
 
 
@@ -242,7 +264,7 @@ def bench(
     contexts: str = typer.Option("8K,32K,128K", help="tokens per sequence (cache capacity), comma-separated"),
     steps: int = typer.Option(64, min=1, help="timed decode steps"),
     segment: int = typer.Option(8, min=1, help="decode steps per timed call"),
-    kv_budget_gib: float = typer.Option(48.0, min=0.0, help="KV cache memory per scheme, GiB"),
+    kv_budget_gib: float = typer.Option(48.0, min=0.0, help="KV cache memory per scheme (per device with --mesh), GiB"),
     batch: str | None = typer.Option(None, help="fixed batches, comma-separated, instead of the largest that "
                                                 "fits the budget"),
     ttft_kv: str | None = typer.Option(None, help="schemes whose time to first token (one prompt per context, "
@@ -250,6 +272,8 @@ def bench(
                                                   "'none': no scheme)"),
     dtype: str = typer.Option("bfloat16", help="weights and activations: bfloat16 | float32"),
     implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
+    mesh: str | None = typer.Option(None, help="device mesh, e.g. data=2,model=4 or model=2,seq=4 (axes data, "
+                                               "model, seq; their product the device count); default one device"),
     out: Path | None = typer.Option(None, help="JSON path (default bench/results/<device>/serving_<model>.json)"),
     plot_path: Path | None = typer.Option(None, "--plot", help="PNG path (default: beside the JSON)"),
 ):
@@ -261,8 +285,8 @@ def bench(
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-    from oscar_jax.models import registry
-    from oscar_jax.models.cli import load_calibration
+    from oscar_jax.models import parallel, registry
+    from oscar_jax.models.cli import fail, load_calibration, model_config
 
     schemes = tuple(s.strip() for s in kv.split(",") if s.strip())
     try:
@@ -277,7 +301,14 @@ def bench(
         raise typer.BadParameter(f"--batch {batch!r}: expected positive ints like 1,8,32")
     if not schemes or not ctx:
         raise typer.BadParameter("--kv and --contexts need at least one value each")
-    decoder, _ = registry.load(model, dtype=jnp.dtype(dtype), random_weights=random_weights)
+    device_mesh = None
+    if mesh:
+        try:
+            device_mesh = parallel.parse_mesh(mesh)
+            parallel.check_model(model_config(model, random_weights=random_weights), device_mesh)
+        except ValueError as e:
+            fail(f"--mesh {mesh}: {e}")
+    decoder, _ = registry.load(model, dtype=jnp.dtype(dtype), random_weights=random_weights, sharding=device_mesh)
     policies = {}
     for name in schemes:
         try:
@@ -286,11 +317,11 @@ def bench(
         except ValueError as e:
             raise typer.BadParameter(f"--kv {name}: {e}") from None
     ttft = None if ttft_kv is None else tuple(s.strip() for s in ttft_kv.split(",") if s.strip() not in ("", "none"))
-    spec = BenchSpec(schemes, ctx, steps, segment, kv_budget_gib, batches, ttft)
+    spec = BenchSpec(schemes, ctx, steps, segment, kv_budget_gib, batches, ttft, device_mesh)
     label = Path(model).name if Path(model).exists() else model
     out = out or results.default_path("bench/results", f"serving_{label}")
     done = []
-    described = lambda r: {"model": label, "dtype": dtype, **r}
+    described = lambda r: {"model": label, "dtype": dtype, **({"mesh": mesh} if mesh else {}), **r}
 
     def progress(r):  # print the row, and keep the file current should the run be cut off
         console.print(f"{r['kv']:>6} ctx {r['context']:>7}: " + (r.get("error") or (

@@ -185,12 +185,14 @@ def generate(
     implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
     fold_values: bool = typer.Option(True, help="fold R_V into the output projections (OSCAR-cache layers): "
                                                 "attention skips its back-rotation"),
+    mesh: str | None = typer.Option(None, help="device mesh, e.g. model=8 or model=2,seq=4 (axes data, model, seq; "
+                                               "their product the device count); default one device"),
 ):
     """Generate text and report tokens/s, KV bytes and bits/element."""
     import jax
     import jax.numpy as jnp
 
-    from oscar_jax.models import generate as gen, kv_policy
+    from oscar_jax.models import generate as gen, kv_policy, parallel
     from oscar_jax.models.decoder import fold_values as fold
 
     if dtype not in ("float32", "bfloat16"):
@@ -202,8 +204,16 @@ def generate(
         fail(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
     cfg = model_config(model, random_weights=random_weights)
     check_context(cfg, max_new_tokens + 1, f"--max-new-tokens {max_new_tokens} + a prompt token")
+    device_mesh = None
+    if mesh:
+        try:
+            device_mesh = parallel.parse_mesh(mesh)
+            parallel.check_model(cfg, device_mesh)
+        except ValueError as e:
+            fail(f"--mesh {mesh}: {e}")
     policy = kv_policy_for(kv, rotations, cfg, implementation)
-    decoder, tokenizer = load_model(model, dtype=jnp.dtype(dtype), random_weights=random_weights, seed=seed)
+    decoder, tokenizer = load_model(model, dtype=jnp.dtype(dtype), random_weights=random_weights, seed=seed,
+                                    sharding=device_mesh)
     if tokenizer is None:  # random weights without a tokenizer: UTF-8 bytes as ids
         ids = [b % decoder.cfg.vocab_size for b in prompt.encode()]
     else:
@@ -215,12 +225,14 @@ def generate(
             decoder, policy = fold(decoder, policy)
         except ValueError as e:
             fail(f"{e} (--no-fold-values serves it unfolded)")
+        if device_mesh is not None:  # the folded wo back in its shards
+            decoder = parallel.shard(decoder, device_mesh)
     interrupted = []  # Ctrl-C ends the decoding at its next segment; the text so far is printed
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     try:
         out = gen.generate(decoder, policy, [ids], max_new_tokens=max_new_tokens,
                            sampling=gen.Sampling(temperature, top_p), key=jax.random.key(seed),
-                           on_segment=lambda i: bool(interrupted))
+                           on_segment=lambda i: bool(interrupted), mesh=device_mesh)
     finally:
         signal.signal(signal.SIGINT, previous)
     new = out.tokens[0]
@@ -229,7 +241,8 @@ def generate(
     table.add_column("")
     table.add_column("value", justify="right")
     for name, value in (
-            ("device", jax.devices()[0].device_kind), ("jax", jax.__version__), ("model", str(model)),
+            ("device", jax.devices()[0].device_kind + (f" x {jax.device_count()} ({mesh})" if mesh else "")),
+            ("jax", jax.__version__), ("model", str(model)),
             ("kv", policy.name),
             ("R_V folded into wo", str(decoder.values_folded)), ("prompt tokens", str(len(ids))),
             ("new tokens", str(len(new))), ("decode tokens/s", f"{out.decode_tokens_per_s:.1f}"),

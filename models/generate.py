@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax import sharding
 from oscar_jax.models import kv_policy
 from oscar_jax.models.decoder import PREFILL_CHUNK_TOKENS, Decoder, prefill_layer, rotation_digest
 
@@ -59,9 +60,11 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
-def init_state(model: Decoder, policy, batch: int, max_len: int, chunk: int = 1) -> kv_policy.KVState:
+def init_state(model: Decoder, policy, batch: int, max_len: int, chunk: int = 1,
+               mesh: jax.sharding.Mesh | None = None) -> kv_policy.KVState:
     """An empty KV state of `policy` for `batch` sequences of up to `max_len` tokens,
-    with extend chunks of up to `chunk` tokens."""
+    with extend chunks of up to `chunk` tokens; with `mesh`, created in its shards there
+    (`kv_policy.init_on_mesh`; a `seq` axis may round the capacity up)."""
     if batch < 1 or max_len < 1 or chunk < 1:
         raise ValueError(f"batch={batch}, max_len={max_len}, chunk={chunk}: expected positive ints")
     policy_folded = getattr(policy, "values_folded", False)
@@ -70,6 +73,8 @@ def init_state(model: Decoder, policy, batch: int, max_len: int, chunk: int = 1)
         raise ValueError(f"policy {policy.name!r} (values_folded={policy_folded}) and a model with "
                          f"values_folded={model.values_folded}: a folded model serves with the policy that "
                          "decoder.fold_values returned with it (the R_V in its output projections) only")
+    if mesh is not None:
+        return kv_policy.init_on_mesh(policy, model.cfg, batch, max_len, chunk, mesh)
     return policy.init(model.cfg, batch, max_len, chunk)
 
 
@@ -130,10 +135,16 @@ def prefill(model: Decoder, kv: kv_policy.KVState, tokens, lengths, *, chunk_tok
     model.check_output_basis("prefill", kv)
     x = _embed(model, tokens)
     layers = list(kv.layers)
+    on_mesh = isinstance(getattr(kv.lengths, "sharding", None), jax.sharding.NamedSharding)
     for i in range(model.cfg.num_layers):
         args, kwargs = _prefill_args(model, kv, i, x, lengths, chunk_tokens, attention)
         program = None if programs is None else programs.get((kwargs["kind"], jax.tree.structure(args[3])))
+        shardings = jax.tree.map(lambda a: a.sharding, layers[i]) if on_mesh else None
         x, layers[i] = program(*args) if program is not None else prefill_layer(*args, **kwargs)
+        if on_mesh:  # the state keeps its layout (the decode program's), whatever the prefill's partitioner chose
+            layers[i] = jax.device_put(layers[i], shardings)
+    if on_mesh:
+        lengths = jax.device_put(lengths, kv.lengths.sharding)
     return _last_logits(model, x, lengths), kv_policy.KVState(tuple(layers), lengths)
 
 
@@ -209,6 +220,9 @@ def compile_decode(model: Decoder, kv: kv_policy.KVState, key, *, max_new_tokens
     kv may be abstract (`jax.eval_shape`)."""
     first = jax.ShapeDtypeStruct(kv.lengths.shape, jnp.int32)
     loop = jax.eval_shape(functools.partial(_loop_start, max_new_tokens=max_new_tokens), first, _eos_array(eos_ids))
+    shardings = _loop_shardings(kv, loop)
+    if shardings is not None:
+        loop = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), loop, shardings)
     return _decode.lower(model, kv, loop, key, jnp.int32(0), _eos_array(eos_ids), sampling).compile()
 
 
@@ -238,15 +252,30 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
     eos = _eos_array(eos_ids)
     run = functools.partial(_decode, sampling=sampling) if program is None else program
     loop = _loop_start(first, eos, max_new_tokens)
+    shardings = _loop_shardings(kv, loop)
     i = 1
     while i < max_new_tokens:
         i = min(i + segment, max_new_tokens)
+        if shardings is not None:  # the loop state as the program takes it (a local slice, no transfer)
+            loop, key = jax.device_put((loop, key), (shardings, jax.sharding.NamedSharding(kv.lengths.sharding.mesh,
+                                                                                         sharding.spec())))
         loop, key, kv = run(model, kv, loop, key, jnp.int32(i), eos)
         finished = bool(jnp.all(loop[3]))  # waits for the call
         if (on_segment is not None and on_segment(i)) or finished:
             break
     _, _, out, _, count = loop
     return out, count, kv
+
+
+def _loop_shardings(kv: kv_policy.KVState, loop):
+    """On a mesh (kv.lengths a NamedSharding): the decode loop state's shardings, its [B, ...]
+    arrays split as kv.lengths is, so every segment's program takes what the last one returned;
+    else None."""
+    s = getattr(kv.lengths, "sharding", None)
+    if not isinstance(s, jax.sharding.NamedSharding):
+        return None
+    batch = s.spec[0] if len(s.spec) else None
+    return jax.tree.map(lambda x: jax.sharding.NamedSharding(s.mesh, sharding.spec(batch if x.ndim else None)), loop)
 
 
 def _eos_array(eos_ids: Sequence[int]) -> jax.Array:
@@ -290,15 +319,17 @@ class Generation:
 def generate(model: Decoder, policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: Sampling = Sampling(), key: jax.Array | None = None,
              eos_ids: Sequence[int] | None = None,
-             on_segment: Callable[[int], bool | None] | None = None) -> Generation:
+             on_segment: Callable[[int], bool | None] | None = None,
+             mesh: jax.sharding.Mesh | None = None) -> Generation:
     """Prefill ragged `prompts` (token id lists), then decode up to `max_new_tokens` each
-    (on_segment: as in `decode`, which may end the decoding early)."""
+    (on_segment: as in `decode`, which may end the decoding early). mesh: the KV state's
+    device mesh (`init_state`; the model's weights placed by `parallel.shard` or a loader)."""
     tokens, lengths = pad_prompts(prompts)
     model.cfg.check_context(int(lengths.max()) + max_new_tokens, "the longest prompt + max_new_tokens")
     eos = tuple(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
     key = jax.random.key(0) if key is None else key
     max_len = int(lengths.max()) + max_new_tokens
-    kv = init_state(model, policy, len(prompts), max_len)
+    kv = init_state(model, policy, len(prompts), max_len, mesh=mesh)
     prefill_key, decode_key = jax.random.split(key)
     t0 = time.perf_counter()
     prefill_programs = compile_prefill(model, kv, tokens, lengths)

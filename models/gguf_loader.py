@@ -150,7 +150,7 @@ def dequantised_tensors(path: str | Path, *, use_cache: bool = True) -> dict[str
     return tensors
 
 
-def load_gguf(path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None,
+def load_gguf(path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.Sharding | jax.sharding.Mesh | None = None,
               use_cache: bool = True) -> Decoder:
     """A `Decoder` with the GGUF's architecture (metadata) and dequantised weights."""
     path = Path(path)

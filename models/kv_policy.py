@@ -35,9 +35,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from oscar_jax import attention, cache as oc, paged, rotation, sharding, updates
+from oscar_jax import attention, cache as oc, paged, parallel, rotation, sharding, updates
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
 from oscar_jax.config import bits_per_element as bpe_formula
 from oscar_jax.models import dense_cache
@@ -56,11 +55,14 @@ def _static(default=dataclasses.MISSING):
 class OscarLayer:
     """One layer's `OscarCache` with its `LayerParams` (both per layer, no L axis) and the
     `attend` implementation to run ("auto", "xla", "pallas", ...); its appends run XLA's code
-    when that is "xla", else `updates.append`'s "auto"."""
+    when that is "xla", else `updates.append`'s "auto". mesh: the device mesh the cache is
+    sharded on (`init_on_mesh`); then each device appends and attends its own shard
+    (`oscar_jax.parallel`)."""
 
     cache: oc.OscarCache
     params: oc.LayerParams
     implementation: str = _static("auto")
+    mesh: jax.sharding.Mesh | None = _static(None)
 
 
 @jax.tree_util.register_dataclass
@@ -96,6 +98,9 @@ class KVState:
 
 def write_prompt(layer, k: jax.Array, v: jax.Array, lengths: jax.Array):
     """Bulk write of whole prompts into one layer. k, v [B, T, Hkv, D] post-RoPE; lengths [B]."""
+    if isinstance(layer, OscarLayer) and layer.mesh is not None:
+        return dataclasses.replace(layer, cache=parallel.write_prompt(layer.cache, k, v, lengths, layer.params,
+                                                                      mesh=layer.mesh))
     if isinstance(layer, OscarLayer):
         return dataclasses.replace(layer, cache=updates.write_prompt(layer.cache, k, v, lengths, layer.params))
     if isinstance(layer, oc.RingCache):
@@ -118,6 +123,10 @@ def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_sc
     """Append C new tokens to one layer, then attend their queries (docs/method.md,
     "Attention over the mixed cache"). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE.
     Returns (o [B, C, Hq, D], layer)."""
+    if isinstance(layer, OscarLayer) and layer.mesh is not None:
+        o, cache = parallel.append_attend(layer.cache, layer.params, q, k, v, mesh=layer.mesh,
+                                          implementation=layer.implementation, softmax_scale=softmax_scale)
+        return o, dataclasses.replace(layer, cache=cache)
     if isinstance(layer, OscarLayer):
         cache = updates.append(layer.cache, k, v, layer.params,
                                implementation="xla" if layer.implementation == "xla" else "auto")
@@ -365,14 +374,11 @@ def check_fits(state: KVState, new_lengths: np.ndarray) -> None:
 
 
 def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, str] | None = None) -> KVState:
-    """NamedSharding pytree for a KV state on `mesh`: batch -> "data", KV heads ->
-    "model" (replicated where they do not divide), via `oscar_jax.sharding`'s rules;
-    dense/KIVI caches [B, T, Hkv, D] (and fp8 scales [B, Hkv]) follow the same rules."""
-    rules = sharding.DEFAULT_RULES if rules is None else rules
-
-    def axis(name: str, size: int):
-        m = rules.get(name)
-        return m if m is not None and m in mesh.shape and size % mesh.shape[m] == 0 else None
+    """NamedSharding pytree for a KV state on `mesh` through `oscar_jax.sharding`'s rules: batch
+    -> "data", KV heads -> "model" (replicated where they do not divide), the OSCAR history's
+    tokens -> "seq"; dense/KIVI caches [B, T, Hkv, D] (and fp8 scales [B, Hkv]) split by batch
+    and KV heads only."""
+    axis = lambda name, size: sharding.mesh_axis(name, size, mesh, rules)
 
     def named(spec):
         return jax.sharding.NamedSharding(mesh, spec)
@@ -384,13 +390,39 @@ def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, st
         if isinstance(layer, oc.RingCache):
             return sharding.shardings(layer, mesh, rules)
         b, _, h, _ = layer.k.shape
-        kv = named(P(axis("batch", b), None, axis("kv_heads", h), None))
-        scale = named(P(axis("batch", b), axis("kv_heads", h)))
+        kv = named(sharding.spec(axis("batch", b), None, axis("kv_heads", h), None))
+        scale = named(sharding.spec(axis("batch", b), axis("kv_heads", h)))
         scales = {"k_scale": scale, "v_scale": scale} if dense_cache._scales(layer)[0] is not None else {}
-        return dataclasses.replace(layer, k=kv, v=kv, lengths=named(P(axis("batch", b))), **scales)
+        return dataclasses.replace(layer, k=kv, v=kv, lengths=named(sharding.spec(axis("batch", b))), **scales)
 
     b = state.lengths.shape[0]
-    return KVState(tuple(layer_shardings(layer) for layer in state.layers), named(P(axis("batch", b))))
+    return KVState(tuple(layer_shardings(layer) for layer in state.layers), named(sharding.spec(axis("batch", b))))
+
+
+def seq_max_len(policy, cfg, batch: int, max_len: int, chunk: int, parts: int) -> int:
+    """The smallest capacity >= max_len whose OSCAR histories (every full-attention layer's)
+    split into `parts` equal slices along tokens (`parallel.seq_max_len`); max_len itself for
+    other policies and parts == 1."""
+    if parts == 1 or not isinstance(policy, QuantPolicy) or not cfg.count(FULL):
+        return max_len
+    while True:
+        fitted = max(parallel.seq_max_len(policy.cache_spec(cfg, batch, max_len, chunk, j), parts)
+                     for j in range(cfg.count(FULL)))
+        if fitted == max_len:
+            return max_len
+        max_len = fitted
+
+
+def init_on_mesh(policy, cfg, batch: int, max_len: int, chunk: int, mesh: jax.sharding.Mesh) -> KVState:
+    """`policy.init`'s state created in its shards on `mesh` (`state_shardings`; no device holds
+    the whole state first), its OSCAR layers appending and attending per device. Under a `seq`
+    axis the capacity is rounded up so that the histories split evenly (`seq_max_len`)."""
+    max_len = seq_max_len(policy, cfg, batch, max_len, chunk, mesh.shape.get(sharding.DEFAULT_RULES["seq"], 1))
+    make = lambda: policy.init(cfg, batch, max_len, chunk)
+    state = jax.jit(make, out_shardings=state_shardings(jax.eval_shape(make), mesh))()
+    layers = tuple(dataclasses.replace(layer, mesh=mesh) if isinstance(layer, OscarLayer) else layer
+                   for layer in state.layers)
+    return dataclasses.replace(state, layers=layers)
 
 
 def nbytes(state: KVState) -> int:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from oscar_jax.models import parallel
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder
 from oscar_jax.models.gguf_loader import cache_dir, cached_file, load_gguf
@@ -127,17 +128,19 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
     return read_gguf_config(path)
 
 
-def load(name_or_path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None,
+def load(name_or_path: str | Path, *, dtype=jnp.float32,
+         sharding: jax.sharding.Sharding | jax.sharding.Mesh | None = None,
          random_weights: bool = False, seed: int = 0) -> tuple[Decoder, TextTokenizer | None]:
     """(decoder, tokenizer) for "smollm2", "gemma3", a .gguf file or an HF checkpoint directory
     (or, with random_weights, a config-only architecture: "llama3-8b", "qwen3-8b").
 
     random_weights: the same architecture with random weights (speed runs).
+    sharding: one Sharding for every weight, or a Mesh: each weight in its tensor-parallel
+    shards (`parallel`), loaded or created there.
     The tokenizer is None for an HF directory without tokenizer.json.
     """
     if random_weights and str(name_or_path) in MODELS:
-        model = Decoder(architecture(str(name_or_path)), rngs=nnx.Rngs(seed), dtype=dtype)
-        return (model if sharding is None else jax.device_put(model, sharding)), None
+        return _random(architecture(str(name_or_path)), dtype, sharding, seed), None
     if str(name_or_path) in CONFIG_ONLY and not random_weights:
         raise ValueError(f"model {str(name_or_path)!r} ships as a config only: load it with random_weights=True")
     path = _resolve(name_or_path)
@@ -155,7 +158,13 @@ def load(name_or_path: str | Path, *, dtype=jnp.float32, sharding: jax.sharding.
         tokenizer = TextTokenizer.from_gguf(path, cache_path=cached_file(path, ".tokenizer.json"))
         model = None if random_weights else load_gguf(path, dtype=dtype, sharding=sharding)
     if model is None:
-        model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
-        if sharding is not None:
-            model = jax.device_put(model, sharding)
+        model = _random(cfg, dtype, sharding, seed)
     return model, tokenizer
+
+
+def _random(cfg: ModelConfig, dtype, sharding, seed: int) -> Decoder:
+    """A decoder of `cfg` with random weights, placed with `sharding` (a Mesh: created in its shards)."""
+    if isinstance(sharding, jax.sharding.Mesh):
+        return parallel.init_decoder(cfg, sharding, dtype=dtype, seed=seed)
+    model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    return model if sharding is None else jax.device_put(model, sharding)

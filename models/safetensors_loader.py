@@ -38,7 +38,7 @@ def tensor_files(directory: str | Path) -> dict[str, Path]:
 
 
 def load_hf(directory: str | Path, *, dtype=jnp.float32,
-            sharding: jax.sharding.Sharding | None = None) -> Decoder:
+            sharding: jax.sharding.Sharding | jax.sharding.Mesh | None = None) -> Decoder:
     """A `Decoder` from an HF safetensors checkpoint directory."""
     cfg = read_config(directory)
     files = tensor_files(directory)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from oscar_jax.models import parallel
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder, abstract_decoder, layer_param_shapes
 
@@ -88,12 +89,16 @@ def _from_decoder(cfg: ModelConfig, param: str, x: np.ndarray) -> np.ndarray:
 
 
 def build_decoder(cfg: ModelConfig, get: Callable[[str], np.ndarray], fmt: str, *,
-                  dtype=jnp.float32, sharding: jax.sharding.Sharding | None = None) -> Decoder:
+                  dtype=jnp.float32, sharding: jax.sharding.Sharding | jax.sharding.Mesh | None = None) -> Decoder:
     """Build a `Decoder` from checkpoint tensors: `get(name)` returns the tensor (KeyError if absent).
 
     The abstract model (`nnx.eval_shape`) gives every parameter's shape; each is
-    filled from the table above, cast to `dtype` and placed with `sharding`.
+    filled from the table above, cast to `dtype` and placed with `sharding`: one Sharding for
+    every array, or a Mesh (each tensor sent slice by slice into its tensor-parallel shards,
+    `parallel.place`; no device holds the whole model).
     """
+    if isinstance(sharding, jax.sharding.Mesh):
+        parallel.check_model(cfg, sharding)
     graphdef, state = nnx.split(abstract_decoder(cfg, dtype))
     pure = nnx.to_pure_dict(state)
 
@@ -108,16 +113,18 @@ def build_decoder(cfg: ModelConfig, get: Callable[[str], np.ndarray], fmt: str, 
                              f"after conversion (decoder parameter {param})")
         return x
 
-    def place(x: np.ndarray) -> jax.Array:
+    def place(x: np.ndarray, param: str) -> jax.Array:
+        if isinstance(sharding, jax.sharding.Mesh):
+            return parallel.place(x, cfg, sharding, param, dtype)
         x = jnp.asarray(x, dtype)
         return x if sharding is None else jax.device_put(x, sharding)
 
     for param in GLOBAL_NAMES:
         if param in pure and pure[param] is not None:
-            pure[param] = place(fetch(checkpoint_name(cfg, param, fmt), pure[param].shape, param))
+            pure[param] = place(fetch(checkpoint_name(cfg, param, fmt), pure[param].shape, param), param)
     for i in range(cfg.num_layers):
         for param, shape in layer_param_shapes(cfg).items():
-            pure["layers"][i][param] = place(fetch(checkpoint_name(cfg, param, fmt, i), shape, param))
+            pure["layers"][i][param] = place(fetch(checkpoint_name(cfg, param, fmt, i), shape, param), param)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 

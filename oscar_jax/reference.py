@@ -9,6 +9,8 @@ exactly. Computed in float32 at HIGHEST precision.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -71,10 +73,16 @@ def shift_lse(lse: jax.Array, q: jax.Array, params: LayerParams, scale: float) -
 
 
 def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
-           softmax_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+           softmax_scale: float | None = None, *, history_offset=0,
+           gather_history: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None,
+           ) -> tuple[jax.Array, jax.Array]:
     """q: [B, C, Hq, D] post-RoPE, unrotated -> (o [B, C, Hq, D] in q.dtype, lse f32 [B, C, Hq]).
 
     o is in the model's basis unless params.v_folded (then in the R_V basis).
+    Sequence parallelism (`oscar_jax.parallel`): the cache's history arrays may hold only
+    history indices [history_offset, history_offset + T_local) of a longer history (int or
+    traced int32), and gather_history(o, lse) returns the history partials of every slice
+    stacked ([S, B, Hkv, g, C, D], [S, B, Hkv, g, C]), merged here with the sink and ring.
     """
     spec = cache.spec
     c, d = q.shape[1], q.shape[3]
@@ -86,18 +94,24 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
 
     s0, w = spec.sink, spec.window
     f32 = lambda x: x.astype(jnp.float32)
-    segments = []
     sink_pos = jnp.arange(s0)[None, None, :]
-    segments.append((cache.sink_k, cache.sink_v, (sink_pos < n[:, None, None]) & (sink_pos <= qp[..., None])))
-    if spec.hist_capacity:
-        hist_pos = s0 + jnp.arange(spec.hist_capacity)[None, None, :]
+    o_s, lse_s = segment_attention(qr, f32(cache.sink_k), f32(cache.sink_v),
+                                   (sink_pos < n[:, None, None]) & (sink_pos <= qp[..., None]), scale)
+    outs, lses = [o_s], [lse_s]
+    hist_k = cache.dequantized_hist("k")
+    if hist_k.shape[-2]:
+        hist_pos = s0 + history_offset + jnp.arange(hist_k.shape[-2])[None, None, :]
         visible = (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None])
-        segments.append((cache.dequantized_hist("k"), cache.dequantized_hist("v"), visible))
+        o_h, lse_h = segment_attention(qr, hist_k, cache.dequantized_hist("v"), visible, scale)
+        o_h, lse_h = (o_h[None], lse_h[None]) if gather_history is None else gather_history(o_h, lse_h)
+        outs += list(o_h)
+        lses += list(lse_h)
     rpos = ring_positions(n, s0, w)[:, None, :]
-    segments.append((cache.recent_k, cache.recent_v, (rpos >= 0) & (rpos <= qp[..., None])))
-
-    outs, lses = zip(*(segment_attention(qr, f32(k), f32(v), m, scale) for k, v, m in segments))
-    o, lse = merge_partials(list(outs), list(lses))
+    o_r, lse_r = segment_attention(qr, f32(cache.recent_k), f32(cache.recent_v),
+                                   (rpos >= 0) & (rpos <= qp[..., None]), scale)
+    outs.append(o_r)
+    lses.append(lse_r)
+    o, lse = merge_partials(outs, lses)
     if not params.v_folded:
         o = jnp.einsum("bhgce,hde->bhgcd", o, params.output_rot, precision=_HI)
     lse = jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])

@@ -1,8 +1,11 @@
 """PartitionSpecs for the KV state on a device mesh (docs/ARCHITECTURE.md §6).
 
-Logical axes map to mesh axes through one rules table: batch -> `data`,
-kv_heads -> `model`. A logical axis is replicated when its size is not a
-multiple of the mesh axis (SmolLM2's 3 KV heads on a 4-way model axis).
+Logical axes map to mesh axes through one rules table (`DEFAULT_RULES`): batch -> `data`,
+KV heads (and the query heads and MLP columns of a decoder's weights) -> `model`, the
+quantised history's tokens -> `seq`. A logical axis is replicated when its mesh axis is
+absent or does not divide it (SmolLM2's 3 KV heads on a 4-way model axis). The bf16 sink
+and recent ring are never split along tokens: under `seq` every device holds them
+(`oscar_jax.parallel`).
 """
 
 from __future__ import annotations
@@ -15,23 +18,27 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from oscar_jax.cache import LayerParams, OscarCache, RingCache
 from oscar_jax.paged import PagedCache
 
-DEFAULT_RULES = {"batch": "data", "kv_heads": "model"}
+# logical axis -> mesh axis. "heads" (query heads), "mlp" (MLP columns) and "vocab" (LM-head
+# columns) name decoder weights (oscar_jax.models.parallel); the rest the KV state.
+DEFAULT_RULES = {"batch": "data", "kv_heads": "model", "heads": "model", "mlp": "model", "vocab": "model",
+                 "seq": "seq"}
 
 # Logical axes of each per-layer leaf (the stacked form adds "layers" in front).
 _KV = ("batch", "kv_heads", "seq", "head_dim")
+_WINDOW = ("batch", "kv_heads", "window", "head_dim")  # the sink and the ring: never split along tokens
 _CHANNEL_MAJOR = ("batch", "kv_heads", "head_dim", "seq")  # the packed V codes
 _META = ("batch", "kv_heads", "groups", "slice", "seq")
 _LOGICAL = {
     OscarCache: {
-        "sink_k": _KV, "sink_v": _KV, "hist_codes_k": _KV, "hist_codes_v": _CHANNEL_MAJOR,
+        "sink_k": _WINDOW, "sink_v": _WINDOW, "hist_codes_k": _KV, "hist_codes_v": _CHANNEL_MAJOR,
         "hist_lo_k": _META, "hist_scale_k": _META, "hist_lo_v": _META, "hist_scale_v": _META,
-        "recent_k": _KV, "recent_v": _KV, "lengths": ("batch",), "overflow": ("batch",),
+        "recent_k": _WINDOW, "recent_v": _WINDOW, "lengths": ("batch",), "overflow": ("batch",),
     },
-    RingCache: {"k": _KV, "v": _KV, "lengths": ("batch",)},
+    RingCache: {"k": _WINDOW, "v": _WINDOW, "lengths": ("batch",)},
     # The page pool's leading axis is its pages (replicated: every data shard's slots may own any
     # page); KV heads shard as in the contiguous cache.
     PagedCache: {
-        "sink_k": _KV, "sink_v": _KV, "recent_k": _KV, "recent_v": _KV, "lengths": ("batch",),
+        "sink_k": _WINDOW, "sink_v": _WINDOW, "recent_k": _WINDOW, "recent_v": _WINDOW, "lengths": ("batch",),
         "overflow": ("batch",), "block_table": ("batch", "page_slots"),
         "hist_codes_k": ("pages",) + _KV[1:], "hist_codes_v": ("pages",) + _CHANNEL_MAJOR[1:],
         "hist_lo_k": ("pages",) + _META[1:], "hist_scale_k": ("pages",) + _META[1:],
@@ -47,10 +54,27 @@ _LOGICAL = {
 }
 
 
+def mesh_axis(logical: str | None, count: int, mesh: Mesh, rules: dict[str, str] | None = None) -> str | None:
+    """The mesh axis that splits `count` items of logical axis `logical` (a size, or a head
+    count for a flattened heads x head_dim axis), or None (replicated): the rule's axis must be
+    in the mesh and divide `count`."""
+    rules = DEFAULT_RULES if rules is None else rules
+    m = rules.get(logical) if logical is not None else None
+    return m if m is not None and m in mesh.shape and count % mesh.shape[m] == 0 else None
+
+
+def spec(*axes: str | None) -> P:
+    """PartitionSpec of `axes` without its trailing Nones: the form a compiled program returns,
+    so that a jitted step's outputs equal its inputs' shardings (one compilation)."""
+    axes = list(axes)
+    while axes and axes[-1] is None:
+        axes.pop()
+    return P(*axes)
+
+
 def partition_specs(tree, mesh: Mesh, rules: dict[str, str] | None = None):
     """PartitionSpec pytree (same structure as `tree`: an OscarCache, RingCache, PagedCache or
     LayerParams, stacked or per-layer) for `mesh`."""
-    rules = DEFAULT_RULES if rules is None else rules
     logical = _LOGICAL.get(type(tree))
     if logical is None:
         raise TypeError(f"partition_specs: unsupported type {type(tree).__name__}")
@@ -58,12 +82,7 @@ def partition_specs(tree, mesh: Mesh, rules: dict[str, str] | None = None):
     def spec_for(name, x):
         axes = logical[name]
         axes = ("layers",) * (x.ndim - len(axes)) + axes
-        mesh_axes = []
-        for axis, size in zip(axes, x.shape):
-            m = rules.get(axis)
-            ok = m is not None and m in mesh.shape and size % mesh.shape[m] == 0
-            mesh_axes.append(m if ok else None)
-        return P(*mesh_axes)
+        return spec(*(mesh_axis(axis, size, mesh, rules) for axis, size in zip(axes, x.shape)))
 
     fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)
               if not f.metadata.get("static")}

@@ -148,7 +148,7 @@ def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits
 
 
 def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *,
-           implementation: str = "auto", interpret: bool = False) -> OscarCache:
+           implementation: str = "auto", interpret: bool = False, history_offset=0) -> OscarCache:
     """Append C new tokens to every sequence of one layer's cache.
 
     k, v: [B, C, Hkv, D] post-RoPE, unrotated, C <= W. The tokens are rotated on
@@ -158,16 +158,20 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *
     implementation: `oscar_jax.dispatch`'s names: "xla", or "pallas" (the Triton
     one-token kernel `append_token`, C = 1); "auto" takes the kernel on GPU where it
     applies. interpret: run a kernel implementation in Pallas interpret mode (tests).
+    history_offset (int or traced int32; sequence parallelism, `oscar_jax.parallel`): the
+    history arrays hold history indices [history_offset, history_offset + T_local) of a longer
+    history; a token evicted outside them is not written here.
     """
     _check_inputs("append", cache, k, v, params)
     c = k.shape[1]
     if dispatch.resolve("append", implementation, cache.spec, queries=c, interpret=interpret) == "pallas":
-        return _append_token(cache, k, v, params, interpret)
+        return _append_token(cache, k, v, params, interpret, history_offset)
     bits = cache.spec.quant.bits
 
     def write_history(which, q, start, ok):
         hist = (getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
                 getattr(cache, f"hist_scale_{which}"))
+        start = start - history_offset
         if c == 1:
             codes, lo, scale = _write_history_token(*hist, q, start, ok, bits, layout.CHANNEL_MAJOR[which])
         else:
@@ -225,7 +229,8 @@ def append_with(cache, k: jax.Array, v: jax.Array, params: LayerParams, write_hi
         cache, **updates, lengths=jnp.where(ok, n + c, n), overflow=cache.overflow | ~ok)
 
 
-def _append_token(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, interpret: bool) -> OscarCache:
+def _append_token(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, interpret: bool,
+                  history_offset) -> OscarCache:
     """`append` of one token a row through the Triton kernel `append_token` (one launch for K,
     one for V, every array updated in place)."""
     spec, cfg = cache.spec, cache.spec.quant
@@ -238,7 +243,7 @@ def _append_token(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerPa
                  f"hist_scale_{which}")
         x_rot = _rotate(x, rot).astype(STORE_DTYPE)[:, :, 0]  # [B, H, D]
         updates.update(zip(names, append_token.append_token(
-            x_rot, n, n - spec.window - spec.sink, ok, clip, *(getattr(cache, name) for name in names),
+            x_rot, n, n - spec.window - spec.sink - history_offset, ok, clip, *(getattr(cache, name) for name in names),
             window=spec.window, bits=cfg.bits,
             levels=cfg.levels, group_size=spec.group_size, span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
             channel_major=layout.CHANNEL_MAJOR[which], interpret=interpret)))

@@ -344,5 +344,5 @@ def test_non_orthogonal_params_shard_like_rotations():
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
     specs = partition_specs(cal.calibrate(st, None, rotation_k="shaped/head", clips="fixed")
                             .layer_params(), mesh)
-    assert specs.dual_k == specs.rot_k == P(None, "model", None, None)
+    assert specs.dual_k == specs.rot_k == P(None, "model")
     assert specs.dual_v is None  # "uhp" values are orthogonal: no dual carried

@@ -347,7 +347,7 @@ def test_sharded_kv_state_decodes_like_one_device(gemma_like):
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     dense = kv_policy.state_shardings(gen.init_state(gemma_like, kv_policy.make_policy("bf16"), 2, 8), mesh)
-    assert dense.layers[0].k.spec == P("data", None, None, None)
+    assert dense.layers[0].k.spec == P("data")
     pol = kv_policy.QuantPolicy("oscar-small", kv_policy.QuantConfig(bits=2), 2, 4, clip_k=0.96, clip_v=0.92)
     prompt, lengths = np.arange(3, 27).reshape(2, 12), np.array([12, 7])
 

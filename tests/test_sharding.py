@@ -1,5 +1,7 @@
 """Sharded attend on 8 fake CPU devices equals the one-device result; one compilation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,9 +44,9 @@ def test_sharded_equals_single_device_and_compiles_once(kv_heads):
 
     specs = sharding.partition_specs(cache, mesh)
     if kv_heads == 8:
-        assert specs.hist_codes_k == P(None, "data", "model", None, None)
+        assert specs.hist_codes_k == P(None, "data", "model")
     else:  # 3 KV heads do not divide the 4-way model axis: replicated
-        assert specs.hist_codes_k == P(None, "data", None, None, None)
+        assert specs.hist_codes_k == P(None, "data")
     sharded_cache = jax.device_put(cache, sharding.shardings(cache, mesh))
     sharded_params = jax.device_put(params, sharding.shardings(params, mesh))
     batch_sharding = NamedSharding(mesh, P("data"))
@@ -73,7 +75,65 @@ def test_sequence_axis_of_each_history_array():
                      sink=4, window=8)  # 64 history tokens: 16 packed rows
     cache = oj.OscarCache.init(spec).layer(0)
     specs = sharding.partition_specs(cache, mesh, {"batch": "data", "seq": "model"})
-    assert specs.hist_codes_k == P("data", None, "model", None)
+    assert specs.hist_codes_k == P("data", None, "model")
     assert specs.hist_codes_v == P("data", None, None, "model")
     for name in ("hist_lo_k", "hist_scale_k", "hist_lo_v", "hist_scale_v"):
         assert getattr(specs, name) == P("data", None, None, None, "model"), name
+    assert specs.sink_k == specs.recent_v == P("data")  # the sink and ring are never split along tokens
+
+
+@pytest.mark.parametrize("shape, axes", [((8,), ("seq",)), ((2, 4), ("model", "seq"))])
+def test_sequence_parallel_append_attend_equals_single_device(shape, axes):
+    """parallel.append_attend with the history split along tokens over `seq`: 40 decode steps
+    (their evictions cross every slice boundary) give one device's outputs and the same cache
+    bytes; the sink and ring are replicated; one compilation."""
+    from oscar_jax import parallel
+
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), axes)
+    rng = np.random.default_rng(len(axes))
+    b, h, d, g = 2, 2, 16, 2
+    spec = CacheSpec(1, b, h, d, 4 + 8 + 48, sink=4, window=8)
+    spec = CacheSpec(1, b, h, d, parallel.seq_max_len(spec, 8), sink=4, window=8)
+    assert spec.hist_capacity == 64  # 8 slices of 8 tokens
+    rot = np.linalg.qr(rng.standard_normal((h, d, d)))[0].astype(np.float32)
+    params = oj.LayerParams.create(rot, rot[::-1], 0.95, 0.9, num_layers=1, kv_heads=h).layer(0)
+    prompt = random_kv(rng, b, 30, h, d)
+    cache = oj.write_prompt(oj.OscarCache.init(spec, stacked=False), prompt, prompt, jnp.array([30, 5]), params)
+    cache_shardings = sharding.shardings(cache, mesh)
+    heads = "model" if "model" in axes else None
+    assert cache_shardings.hist_codes_v.spec == P(None, heads, None, "seq")
+    assert cache_shardings.sink_k.spec == cache_shardings.recent_v.spec == sharding.spec(None, heads)
+    sharded = jax.device_put(cache, cache_shardings)
+    sharded_params = jax.device_put(params, sharding.shardings(params, mesh))
+    step = jax.jit(lambda c, p, q, k, v: parallel.append_attend(c, p, q, k, v, mesh=mesh), donate_argnums=0,
+                   out_shardings=(None, cache_shardings))
+
+    @jax.jit
+    def single(c, p, q, k, v):
+        c = oj.append(c, k, v, p)
+        return oj.attend(q, c, p, implementation="xla")[0], c
+
+    for _ in range(40):
+        k, v = (random_kv(rng, b, 1, h, d) for _ in range(2))
+        q = rng.standard_normal((b, 1, h * g, d)).astype(np.float32)
+        want, cache = single(cache, params, q, k, v)
+        got, sharded = step(sharded, sharded_params, q, k, v)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    for name in ("hist_codes_k", "hist_codes_v", "hist_lo_k", "hist_scale_v", "sink_v", "recent_k", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(sharded, name)), np.asarray(getattr(cache, name)), name)
+    assert step._cache_size() == 1
+
+
+def test_sequence_parallel_refuses_what_it_cannot_run():
+    from oscar_jax import parallel
+
+    mesh = Mesh(np.array(jax.devices()), ("seq",))
+    spec = CacheSpec(1, 1, 2, 16, 4 + 8 + 20, sink=4, window=8)  # 20 history tokens: 5 packed rows
+    cache = oj.OscarCache.init(spec, stacked=False)
+    params = oj.LayerParams.create(np.eye(16), np.eye(16), 1.0, 1.0, num_layers=1, kv_heads=2).layer(0)
+    q, k = jnp.ones((1, 1, 2, 16)), jnp.ones((1, 1, 2, 16))
+    with pytest.raises(ValueError, match="5 packed rows do not split over seq=8"):
+        parallel.append_attend(cache, params, q, k, k, mesh=mesh)
+    cache = oj.OscarCache.init(dataclasses.replace(spec, max_len=parallel.seq_max_len(spec, 8)), stacked=False)
+    with pytest.raises(ValueError, match="implementation='pallas'"):
+        parallel.append_attend(cache, params, q, k, k, mesh=mesh, implementation="pallas")
