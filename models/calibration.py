@@ -4,7 +4,9 @@ The model runs full-precision forwards over consecutive windows of calibration
 text with `capture_qkv`; the post-RoPE (post qk-norm) q, k, v of the
 full-attention layers (the ones the OSCAR cache serves) stream into the
 accumulator. The tokens after the calibration ones are held aside for the clip
-fit and the variant comparison. Adds the `oscar calibrate` command.
+fit and the variant comparison. Learned rotations (`oscar_jax.learn`) take a
+second stream of the same windows, captured again batch by batch. Adds the
+`oscar calibrate` command.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import functools
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,7 @@ import typer
 
 from oscar_jax import artifact
 from oscar_jax import calibrate as cal
+from oscar_jax import learn
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import cli, corpus
 from oscar_jax.models.cli import app, console
@@ -104,14 +108,34 @@ def collect(model: Decoder, calib_ids: np.ndarray, heldout_ids: np.ndarray, *, s
     return CalibrationRun(stats, heldout, layers, seconds)
 
 
+def capture_batches(model: Decoder, calib_ids: np.ndarray, *, seq_len: int = 1024, batch: int = 1):
+    """A callable giving a fresh stream of (q, k, v) [L, B, T, H, D] over `calib_ids` (int [N]),
+    `batch` windows of `seq_len` at a time (the last batch may be smaller), each captured
+    when asked: the batches `learn.learn_rotations` trains on, one epoch per call."""
+    rows = windows(calib_ids, seq_len)
+    layers = full_layers(model.cfg)
+
+    def stream():
+        for i in range(0, len(rows), batch):
+            yield _capture(model, jnp.asarray(rows[i: i + batch]), layers)
+
+    return stream
+
+
 def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
-                     clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID, softmax_scale: float | None = None
-                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+                     clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID, softmax_scale: float | None = None, *,
+                     sink: int, window: int, center_keys: bool = False,
+                     learned: Callable[[str], tuple[cal.Rotation, cal.Rotation]] | None = None
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per rotation variant (used for K and V): held-aside relative attention-logit error
-    (keys quantised) and attention-output error (values quantised), per layer [L] each.
+    (keys quantised), attention-output error (values quantised, keys exact) and the served
+    attention-output error (keys and values quantised, sink and window exact:
+    `learn.attention_error`), per layer [L] each.
 
     The held-aside windows are split in two: clips are fitted on the first half
-    (clips="fit") and the errors are measured on the second."""
+    (clips="fit") and the errors are measured on the second. center_keys: as the
+    calibration (the key errors are then those of the centered keys). learned(name) gives
+    the (rot_k, rot_v) of a "learned" variant."""
     b = run.heldout[0].shape[1]
     if b < 2:
         raise ValueError(f"compare_variants needs >= 2 held-aside windows, got {b}")
@@ -119,10 +143,17 @@ def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: Qua
     q_eval, k_eval, v_eval = (x[:, b // 2:] for x in run.heldout)
     out = {}
     for name in names:
-        c = cal.calibrate(run.stats, fit_part, rotation_k=name, rotation_v=name,
-                          quant_cfg=quant_cfg, clips=clips, grid=grid, softmax_scale=softmax_scale)
-        out[name] = (cal.logit_error(q_eval, k_eval, c.rot_k, c.clip_k, quant_cfg),
-                     cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale))
+        spec = cal.RotationSpec.parse(name)
+        if spec.kind == "learned" and learned is None:
+            raise ValueError(f"variant {name!r} needs learned=: a callable that trains it")
+        rot_k, rot_v = learned(name) if spec.kind == "learned" else (name, name)
+        c = cal.calibrate(run.stats, fit_part, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
+                          clips=clips, grid=grid, softmax_scale=softmax_scale, center_keys=center_keys)
+        k_c = k_eval if c.k_shift is None else k_eval - c.k_shift[:, None, None]
+        served = learn.attention_error(q_eval, k_eval, v_eval, c.rot_k, c.rot_v, c.clip_k, c.clip_v, quant_cfg,
+                                       sink=sink, window=window, k_shift=c.k_shift, softmax_scale=softmax_scale)
+        out[name] = (cal.logit_error(q_eval, k_c, c.rot_k, c.clip_k, quant_cfg),
+                     cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale), served)
     return out
 
 
@@ -132,6 +163,18 @@ def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
         lam = np.linalg.eigvalsh(c.mean(axis=1))
         return lam[:, -1] / np.median(lam, axis=1)
     return spread(stats.query_cov), spread(stats.value_cov)
+
+
+def _learn_options(rotation_k: str, rotation_v: str, seq_len: int, sink: int, window: int) -> None:
+    """`cli.fail` on learned-rotation settings that cannot train: learned K and V of different
+    per-head settings, or windows with no quantised token (--seq-len <= --sink + --window)."""
+    learned = [s for s in map(cal.RotationSpec.parse, (rotation_k, rotation_v)) if s.kind == "learned"]
+    if len({s.per_head for s in learned}) > 1:
+        cli.fail(f"--rotation-k {rotation_k!r} --rotation-v {rotation_v!r}: learned K and V must both be "
+                 f"per head (learned/head) or both per layer")
+    if learned and seq_len <= sink + window:
+        cli.fail(f"--seq-len {seq_len}: learned rotations train on windows longer than --sink + --window = "
+                 f"{sink + window} (their quantised tokens)")
 
 
 @app.command()
@@ -153,28 +196,43 @@ def calibrate(
     center_keys: bool = typer.Option(False, help="remove the calibration keys' mean before quantising "
                                                  "(softmax-exact; not in the published recipe)"),
     sample_tokens: int = typer.Option(4096, min=1, help="bounded sample for the published value weights"),
-    compare: str = typer.Option("", help="comma-separated variants whose held-aside logit error to print"),
+    learn_init: str = typer.Option("uhp", help=f"learned rotations start from this variant, one of {learn.INIT_KINDS}"),
+    learn_epochs: int = typer.Option(1, help="learned rotations: passes over the calibration windows"),
+    learn_steps: int = typer.Option(4, help="learned rotations: Adam steps per batch of windows"),
+    learn_batch: int = typer.Option(1, help="learned rotations: windows per batch"),
+    learn_queries: int = typer.Option(128, help="learned rotations: queries sampled per window and step"),
+    learn_rate: float = typer.Option(1e-3, help="learned rotations: Adam learning rate"),
+    compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
 ):
     """Calibrate OSCAR rotations and clip ratios for a model and write the artifact.
     Every argument and the output path are checked before the first forward."""
-    from rich.progress import Progress
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     cli.check_writable(out, "--out", directory=True)
     if clips not in ("fit", "fixed"):
         cli.fail(f"--clips {clips!r}: expected 'fit' or 'fixed'")
+    names = tuple(n.strip() for n in compare.split(",")) if compare else ()
+    learn_args = {"--learn-init": ("init", learn_init), "--learn-epochs": ("epochs", learn_epochs),
+                  "--learn-steps": ("steps_per_batch", learn_steps), "--learn-queries": ("queries", learn_queries),
+                  "--learn-rate": ("learning_rate", learn_rate)}
     for option, value, check in (
             ("--value-weighting", value_weighting, lambda: cal.CalibConfig(value_weighting, sample_tokens)),
             ("--rotation-k", rotation_k, lambda: cal.RotationSpec.parse(rotation_k)),
             ("--rotation-v", rotation_v, lambda: cal.RotationSpec.parse(rotation_v)),
-            ("--compare", compare,
-             lambda: [cal.RotationSpec.parse(n.strip()) for n in compare.split(",")] if compare else []),
-            ("--group-size", group_size, lambda: QuantConfig(group_size=group_size))):
+            ("--compare", compare, lambda: [cal.RotationSpec.parse(n) for n in names]),
+            ("--group-size", group_size, lambda: QuantConfig(group_size=group_size)),
+            *((option, value, lambda f=field, x=value: learn.LearnConfig(**{f: x}))
+              for option, (field, value) in learn_args.items())):
         try:
             check()
         except ValueError as e:
             cli.fail(f"{option} {value!r}: {e}")
+    if learn_batch < 1:
+        cli.fail(f"--learn-batch {learn_batch}: expected an int >= 1")
+    learn_cfg = learn.LearnConfig(**dict(learn_args.values()))
+    _learn_options(rotation_k, rotation_v, seq_len, sink, window)
     quant_cfg = QuantConfig(group_size=group_size)
     calib_cfg = cal.CalibConfig(value_weighting, sample_tokens)
     cfg = cli.model_config(model)
@@ -189,6 +247,9 @@ def calibrate(
     if heldout_tokens < held_windows * seq_len:
         cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
                  f"window(s){' (--compare fits on one, measures on another)' if compare else ''}")
+    if compare and seq_len <= sink + window:
+        cli.fail(f"--seq-len {seq_len}: --compare measures the served error on windows longer than "
+                 f"--sink + --window = {sink + window}")
     try:
         source = calibration_text(text)
     except (ValueError, OSError) as e:
@@ -204,9 +265,35 @@ def calibrate(
         task = bar.add_task("calibration forwards", total=tokens)
         run = collect(decoder, ids[:tokens], ids[tokens:], seq_len=seq_len, config=calib_cfg,
                       progress=lambda n: bar.advance(task, n))
-    t0 = time.perf_counter()
     grid = tuple(np.round(np.arange(clip_min, 1.0 + 1e-9, 0.01), 2))
-    result = cal.calibrate(run.stats, run.heldout, rotation_k=rotation_k, rotation_v=rotation_v,
+    learned_cache: dict[tuple[str, str], tuple[cal.Rotation, cal.Rotation]] = {}
+    learn_seconds = 0.0
+
+    def learned(rot_k: str, rot_v: str) -> tuple[cal.Rotation, cal.Rotation]:
+        """Train (once) the learned ones of (rot_k, rot_v), with a progress bar."""
+        nonlocal learn_seconds
+        if (rot_k, rot_v) not in learned_cache:
+            t0 = time.perf_counter()
+            batches = capture_batches(decoder, ids[:tokens], seq_len=seq_len, batch=learn_batch)
+            n_batches = -(-(tokens // seq_len) // learn_batch)
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("served output error {task.fields[loss]}"), TimeElapsedColumn())
+            with Progress(*columns, console=console) as bar:
+                task = bar.add_task(f"learning K {rot_k}, V {rot_v} from {learn_cfg.init}",
+                                    total=learn_cfg.epochs * n_batches, loss="-")
+                learned_cache[rot_k, rot_v] = learn.learn_rotations(
+                    run.stats, batches, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
+                    sink=sink, window=window, config=learn_cfg, center_keys=center_keys, grid=grid,
+                    softmax_scale=decoder.cfg.softmax_scale,
+                    progress=lambda losses: bar.update(task, advance=1, loss=f"{losses.mean():.4f}"))
+            learn_seconds += time.perf_counter() - t0
+        return learned_cache[rot_k, rot_v]
+
+    is_learned = lambda name: cal.RotationSpec.parse(name).kind == "learned"
+    rotations = learned(rotation_k, rotation_v) if is_learned(rotation_k) or is_learned(rotation_v) else (
+        rotation_k, rotation_v)
+    t0 = time.perf_counter()
+    result = cal.calibrate(run.stats, run.heldout, rotation_k=rotations[0], rotation_v=rotations[1],
                            quant_cfg=quant_cfg, clips=clips, grid=grid, center_keys=center_keys)
     fit_s = time.perf_counter() - t0
     try:
@@ -229,7 +316,8 @@ def calibrate(
         console.print(f"[yellow]{at_edge} of {2 * len(run.layers)} fitted ratios sit at the grid's lowest "
                       f"value {grid[0]}: the fit's optimum may lie below it (--clip-min; a lower floor helps "
                       f"some recipes and hurts others on held-out text: README)[/yellow]")
-    console.print(f"calibration wall time: {run.seconds:.1f} s (forwards + statistics), "
+    learned_note = f", {learn_seconds:.1f} s (learning rotations)" if learn_seconds else ""
+    console.print(f"calibration wall time: {run.seconds:.1f} s (forwards + statistics){learned_note}, "
                   f"{fit_s:.1f} s (rotations + clip fit); artifact: {out}")
     if time_forward:
         rows = windows(ids[:tokens], seq_len)
@@ -237,18 +325,21 @@ def calibrate(
         t0 = time.perf_counter()
         for row in rows:
             jax.block_until_ready(_forward(decoder, jnp.asarray(row[None])))
-        console.print(f"plain forward over the same {len(rows) * seq_len} tokens: "
-                      f"{time.perf_counter() - t0:.1f} s ({jax.devices()[0].device_kind}, jax {jax.__version__})")
+        forward_s = time.perf_counter() - t0
+        console.print(f"plain forward over the same {len(rows) * seq_len} tokens: {forward_s:.1f} s "
+                      f"({jax.devices()[0].device_kind}, jax {jax.__version__}); calibration / forward = "
+                      f"{(run.seconds + learn_seconds + fit_s) / forward_s:.2f}x")
     if compare:
-        errors = compare_variants(run, tuple(n.strip() for n in compare.split(",")), quant_cfg, clips,
-                                  grid, decoder.cfg.softmax_scale)
+        errors = compare_variants(run, names, quant_cfg, clips, grid, decoder.cfg.softmax_scale, sink=sink,
+                                  window=window, center_keys=center_keys, learned=lambda n: learned(n, n))
         g = quant_cfg.group_size or decoder.cfg.head_dim
         meta_bits = 16 if quant_cfg.scale_dtype == "bfloat16" else 32
-        table = Table(title=f"held-aside errors, every K (V) quantised: "
-                            f"{quant_cfg.bits + 2 * meta_bits / g:.2f} bits/element (G={g}), clips {clips}")
+        table = Table(title=f"held-aside errors: {quant_cfg.bits + 2 * meta_bits / g:.2f} bits/element in the "
+                            f"history (G={g}), clips {clips}{', centered keys' if center_keys else ''}")
         table.add_column("variant")
-        table.add_column("rel. logit MSE (K)", justify="right")
-        table.add_column("rel. output MSE (V)", justify="right")
-        for name, (err_k, err_v) in errors.items():
-            table.add_row(name, f"{err_k.mean():.4f}", f"{err_v.mean():.4f}")
+        table.add_column("rel. logit MSE (K quantised)", justify="right")
+        table.add_column("rel. output MSE (V quantised)", justify="right")
+        table.add_column(f"rel. output MSE (K, V served: sink {sink}, window {window})", justify="right")
+        for name, errs in errors.items():
+            table.add_row(name, *(f"{e.mean():.4f}" for e in errs))
         console.print(table)
