@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,6 +28,7 @@ from oscar_jax import calibrate as cal
 from oscar_jax import learn
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import cli, corpus
+from oscar_jax.models import results as results_io
 from oscar_jax.models.cli import app, console
 from oscar_jax.models.decoder import Decoder
 
@@ -204,6 +206,7 @@ def calibrate(
     learn_rate: float = typer.Option(1e-3, help="learned rotations: Adam learning rate"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the timings and --compare errors here"),
 ):
     """Calibrate OSCAR rotations and clip ratios for a model and write the artifact.
     Every argument and the output path are checked before the first forward."""
@@ -211,6 +214,7 @@ def calibrate(
     from rich.table import Table
 
     cli.check_writable(out, "--out", directory=True)
+    cli.check_writable(json_out, "--json")
     if clips not in ("fit", "fixed"):
         cli.fail(f"--clips {clips!r}: expected 'fit' or 'fixed'")
     names = tuple(n.strip() for n in compare.split(",")) if compare else ()
@@ -319,6 +323,11 @@ def calibrate(
     learned_note = f", {learn_seconds:.1f} s (learning rotations)" if learn_seconds else ""
     console.print(f"calibration wall time: {run.seconds:.1f} s (forwards + statistics){learned_note}, "
                   f"{fit_s:.1f} s (rotations + clip fit); artifact: {out}")
+    setting = {"model": model, "tokens": run.stats.tokens, "seq_len": seq_len, "group_size": meta.group_size,
+               "center_keys": center_keys, "sink": sink, "window": window}
+    timing = {**setting, "rotation_k": meta.rotation_k, "rotation_v": meta.rotation_v,
+              "calibration_forward_s": run.seconds, "learn_s": learn_seconds, "fit_s": fit_s}
+    rows = [timing]
     if time_forward:
         rows = windows(ids[:tokens], seq_len)
         jax.block_until_ready(_forward(decoder, jnp.asarray(rows[:1])))  # compile
@@ -326,6 +335,7 @@ def calibrate(
         for row in rows:
             jax.block_until_ready(_forward(decoder, jnp.asarray(row[None])))
         forward_s = time.perf_counter() - t0
+        timing.update(plain_forward_s=forward_s, ratio=(run.seconds + learn_seconds + fit_s) / forward_s)
         console.print(f"plain forward over the same {len(rows) * seq_len} tokens: {forward_s:.1f} s "
                       f"({jax.devices()[0].device_kind}, jax {jax.__version__}); calibration / forward = "
                       f"{(run.seconds + learn_seconds + fit_s) / forward_s:.2f}x")
@@ -340,6 +350,12 @@ def calibrate(
         table.add_column("rel. logit MSE (K quantised)", justify="right")
         table.add_column("rel. output MSE (V quantised)", justify="right")
         table.add_column(f"rel. output MSE (K, V served: sink {sink}, window {window})", justify="right")
+        measured = run.heldout[1].shape[1] - run.heldout[1].shape[1] // 2  # windows (compare_variants)
         for name, errs in errors.items():
             table.add_row(name, *(f"{e.mean():.4f}" for e in errs))
+            rows.append({**setting, "variant": name, "heldout_tokens": measured * seq_len,
+                         "logit_mse_k": float(errs[0].mean()), "output_mse_v": float(errs[1].mean()),
+                         "served_output_mse": float(errs[2].mean())})
         console.print(table)
+    if json_out:
+        results_io.write(json_out, results_io.record(rows, "oscar " + " ".join(sys.argv[1:])))
