@@ -329,14 +329,14 @@ def calibrate(
               "calibration_forward_s": run.seconds, "learn_s": learn_seconds, "fit_s": fit_s}
     rows = [timing]
     if time_forward:
-        rows = windows(ids[:tokens], seq_len)
-        jax.block_until_ready(_forward(decoder, jnp.asarray(rows[:1])))  # compile
+        calib_rows = windows(ids[:tokens], seq_len)
+        jax.block_until_ready(_forward(decoder, jnp.asarray(calib_rows[:1])))  # compile
         t0 = time.perf_counter()
-        for row in rows:
+        for row in calib_rows:
             jax.block_until_ready(_forward(decoder, jnp.asarray(row[None])))
         forward_s = time.perf_counter() - t0
         timing.update(plain_forward_s=forward_s, ratio=(run.seconds + learn_seconds + fit_s) / forward_s)
-        console.print(f"plain forward over the same {len(rows) * seq_len} tokens: {forward_s:.1f} s "
+        console.print(f"plain forward over the same {len(calib_rows) * seq_len} tokens: {forward_s:.1f} s "
                       f"({jax.devices()[0].device_kind}, jax {jax.__version__}); calibration / forward = "
                       f"{(run.seconds + learn_seconds + fit_s) / forward_s:.2f}x")
     if compare:
