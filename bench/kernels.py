@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 
 from oscar_jax import attention  # noqa: E402
 from oscar_jax import cache as cache_lib  # noqa: E402
+from oscar_jax import updates  # noqa: E402
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element  # noqa: E402
 from oscar_jax.models import results  # noqa: E402
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu, quantize_pack, quantize_pack_mgpu  # noqa: E402
@@ -207,7 +208,7 @@ def build_oscar(shape: Shape, key):
     x_shape = (shape.batch, shape.seq, shape.kv_heads, shape.head_dim)
     k = jax.random.normal(kk, x_shape, jnp.bfloat16)
     v = jax.random.normal(kv, x_shape, jnp.bfloat16)
-    write = jax.jit(functools.partial(cache_lib.write_prompt, implementation="xla"))
+    write = jax.jit(functools.partial(updates.write_prompt, implementation="xla"))
     cache = write(empty, k, v, jnp.full((shape.batch,), shape.seq, jnp.int32), params)
     return cache, params, k, v
 
@@ -347,7 +348,7 @@ def bench_write_prompt(reps: int, batch=8, seq=32768, kv_heads=8, d=128) -> dict
     nbytes = 2 * batch * seq * kv_heads * d * 2 + cache_lib.nbytes(empty)
     row = {"op": "write_prompt", "shape": list(x_shape), "bits": 2, "group_size": d, "bytes": nbytes}
     for impl in ("xla", "pallas"):
-        write = functools.partial(cache_lib.write_prompt, implementation=impl)
+        write = functools.partial(updates.write_prompt, implementation=impl)
         t = time_group(unrolled(write), copies, reps)
         row[f"{impl}_ms"], row[f"{impl}_GBps"] = t * 1e3, nbytes / t / 1e9
     return row

@@ -13,6 +13,7 @@ the line that installs it.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -205,8 +206,14 @@ def generate(
             decoder, policy = fold(decoder, policy)
         except ValueError as e:
             fail(f"{e} (--no-fold-values serves it unfolded)")
-    out = gen.generate(decoder, policy, [ids], max_new_tokens=max_new_tokens,
-                       sampling=gen.Sampling(temperature, top_p), key=jax.random.key(seed))
+    interrupted = []  # Ctrl-C ends the decoding at its next segment; the text so far is printed
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    try:
+        out = gen.generate(decoder, policy, [ids], max_new_tokens=max_new_tokens,
+                           sampling=gen.Sampling(temperature, top_p), key=jax.random.key(seed),
+                           on_segment=lambda i: bool(interrupted))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     new = out.tokens[0]
     console.print(tokenizer.decode(new) if tokenizer else " ".join(map(str, new)), markup=False, highlight=False)
     table = Table(title="oscar generate")
@@ -222,6 +229,9 @@ def generate(
             ("KV bits/element", f"{kv_policy.bits_per_element(out.kv):.2f}")):
         table.add_row(name, value)
     console.print(table)
+    if interrupted:
+        console.print(f"interrupted after {len(new)} new tokens", style="yellow")
+        raise typer.Exit(130)
 
 
 def main() -> None:

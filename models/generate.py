@@ -214,36 +214,36 @@ def compile_decode(model: Decoder, kv: kv_policy.KVState, key, *, max_new_tokens
 
 def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens: int,
            sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (), program=None,
-           segment: int = DECODE_SEGMENT, on_segment: Callable[[int], None] | None = None):
+           segment: int = DECODE_SEGMENT, on_segment: Callable[[int], bool | None] | None = None):
     """Generate up to `max_new_tokens` tokens per sequence in a compiled loop.
 
     first int32 [B]: the first new token (sampled from prefill's logits); it is
     fed to the cache, and so on. Stops per sequence after an EOS id, globally
     when all stopped. The loop runs `segment` steps per call (one program for every call),
-    so a KeyboardInterrupt stops it within a segment; on_segment(i) runs after each call has
-    finished on the device, with the number of columns filled. Returns (tokens int32
+    so the host can stop it between calls: on_segment(i) runs after each call has finished on
+    the device, with the number of columns filled, and a true result ends the loop there (the
+    tokens so far are returned). Returns (tokens int32
     [B, max_new_tokens], `first` in column 0, NO_TOKEN after a stop; count int32 [B]
-    tokens generated incl. EOS; kv). kv is donated. program: from `compile_decode`.
+    tokens generated incl. EOS; kv). kv is donated. program: from `compile_decode` (with this
+    `sampling` and `eos_ids`).
     """
     first = jnp.asarray(first, jnp.int32)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
     if first.shape != kv.lengths.shape:
         raise ValueError(f"first.shape={first.shape}: expected [B={kv.lengths.shape[0]}]")
+    if segment < 1:
+        raise ValueError(f"segment={segment}: expected >= 1")
     kv_policy.check_fits(kv, np.asarray(kv.lengths) + max_new_tokens - 1)
     eos = _eos_array(eos_ids)
     run = functools.partial(_decode, sampling=sampling) if program is None else program
     loop = _loop_start(first, eos, max_new_tokens)
     i = 1
-    if segment < 1:
-        raise ValueError(f"segment={segment}: expected >= 1")
     while i < max_new_tokens:
         i = min(i + segment, max_new_tokens)
         loop, key, kv = run(model, kv, loop, key, jnp.int32(i), eos)
         finished = bool(jnp.all(loop[3]))  # waits for the call
-        if on_segment is not None:
-            on_segment(i)
-        if finished:
+        if (on_segment is not None and on_segment(i)) or finished:
             break
     _, _, out, _, count = loop
     return out, count, kv
@@ -289,8 +289,10 @@ class Generation:
 
 def generate(model: Decoder, policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: Sampling = Sampling(), key: jax.Array | None = None,
-             eos_ids: Sequence[int] | None = None) -> Generation:
-    """Prefill ragged `prompts` (token id lists), then decode up to `max_new_tokens` each."""
+             eos_ids: Sequence[int] | None = None,
+             on_segment: Callable[[int], bool | None] | None = None) -> Generation:
+    """Prefill ragged `prompts` (token id lists), then decode up to `max_new_tokens` each
+    (on_segment: as in `decode`, which may end the decoding early)."""
     tokens, lengths = pad_prompts(prompts)
     model.cfg.check_context(int(lengths.max()) + max_new_tokens, "the longest prompt + max_new_tokens")
     eos = tuple(model.cfg.eos_token_ids if eos_ids is None else eos_ids)
@@ -308,7 +310,7 @@ def generate(model: Decoder, policy, prompts: Sequence[Sequence[int]], *, max_ne
     first.block_until_ready()
     t2 = time.perf_counter()
     out, count, kv = decode(model, kv, first, decode_key, max_new_tokens=max_new_tokens, sampling=sampling,
-                            eos_ids=eos, program=decode_program)
+                            eos_ids=eos, program=decode_program, on_segment=on_segment)
     out = np.asarray(out)
     t3 = time.perf_counter()
     new = [out[i, :c].tolist() for i, c in enumerate(np.asarray(count))]

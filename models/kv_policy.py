@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from oscar_jax import attention, cache as oc, rotation, sharding
+from oscar_jax import attention, cache as oc, rotation, sharding, updates
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
 from oscar_jax.config import bits_per_element as bpe_formula
 from oscar_jax.models import dense_cache
@@ -84,9 +84,9 @@ class KVState:
 def write_prompt(layer, k: jax.Array, v: jax.Array, lengths: jax.Array):
     """Bulk write of whole prompts into one layer. k, v [B, T, Hkv, D] post-RoPE; lengths [B]."""
     if isinstance(layer, OscarLayer):
-        return dataclasses.replace(layer, cache=oc.write_prompt(layer.cache, k, v, lengths, layer.params))
+        return dataclasses.replace(layer, cache=updates.write_prompt(layer.cache, k, v, lengths, layer.params))
     if isinstance(layer, oc.RingCache):
-        return oc.ring_write_prompt(layer, k, v, lengths)
+        return updates.ring_write_prompt(layer, k, v, lengths)
     return dense_cache.write_prompt(layer, k, v, lengths)
 
 
@@ -106,12 +106,12 @@ def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_sc
     "Attention over the mixed cache"). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE.
     Returns (o [B, C, Hq, D], layer)."""
     if isinstance(layer, OscarLayer):
-        cache = oc.append(layer.cache, k, v, layer.params)
+        cache = updates.append(layer.cache, k, v, layer.params)
         o, _ = attention.attend(q, cache, layer.params, implementation=layer.implementation,
                                 softmax_scale=softmax_scale)
         return o, dataclasses.replace(layer, cache=cache)
     if isinstance(layer, oc.RingCache):
-        ring = oc.ring_append(layer, k, v)
+        ring = updates.ring_append(layer, k, v)
         o, _ = attention.attend_window(q, ring, softmax_scale=softmax_scale)
         return o, ring
     return dense_cache.append_attend(layer, q, k, v, softmax_scale)
@@ -175,6 +175,8 @@ class QuantPolicy:
     window=None means "one extend chunk wide" (the smallest the append contract allows).
     values_folded: the params say `v_folded` (attention returns outputs in the R_V basis),
     for a decoder whose output projections hold R_Vᵀ (`decoder.fold_values` makes the pair).
+    layer_quant: one `QuantConfig` per full-attention layer (a bit budget spent unevenly,
+    `oscar_jax.budget`), else `quant` for every layer.
     """
 
     name: str
@@ -187,8 +189,11 @@ class QuantPolicy:
     layer_params: oc.LayerParams | None = dataclasses.field(default=None, compare=False)
     implementation: str = "auto"
     values_folded: bool = False
+    layer_quant: tuple[QuantConfig, ...] | None = None
 
     def __post_init__(self):
+        if self.layer_quant is not None and not all(isinstance(q, QuantConfig) for q in self.layer_quant):
+            raise ValueError("QuantPolicy.layer_quant: expected a tuple of QuantConfig, one per full-attention layer")
         if self.rotation not in ("identity", "hadamard", "artifact"):
             raise ValueError(f"QuantPolicy.rotation={self.rotation!r}: expected identity, hadamard or artifact")
         if (self.rotation == "artifact") != (self.layer_params is not None):
@@ -206,25 +211,36 @@ class QuantPolicy:
         return oc.LayerParams.create(rot, rot, self.clip_k, self.clip_v, num_layers=n, kv_heads=h,
                                      v_folded=self.values_folded)
 
-    def cache_spec(self, cfg, batch: int, max_len: int, chunk: int = 1) -> CacheSpec:
-        """The `CacheSpec` of one full-attention layer's cache."""
+    def layer_quants(self, cfg) -> tuple[QuantConfig, ...]:
+        """The quantiser of each full-attention layer."""
+        n = cfg.count(FULL)
+        if self.layer_quant is None:
+            return (self.quant,) * n
+        if len(self.layer_quant) != n:
+            raise ValueError(f"QuantPolicy.layer_quant has {len(self.layer_quant)} entries: expected one per "
+                             f"full-attention layer ({n})")
+        return self.layer_quant
+
+    def cache_spec(self, cfg, batch: int, max_len: int, chunk: int = 1, full_index: int = 0) -> CacheSpec:
+        """The `CacheSpec` of full-attention layer `full_index`'s cache."""
         window = self.window or chunk
         if chunk > window:
             raise ValueError(f"chunk={chunk} must be <= the {self.name} policy's window={window}")
         return CacheSpec(1, batch, cfg.num_kv_heads, cfg.head_dim, max(max_len, self.sink + window),
-                         self.sink, window, self.quant)
+                         self.sink, window, self.layer_quants(cfg)[full_index])
 
     def init(self, cfg, batch: int, max_len: int, chunk: int = 1) -> KVState:
         if not cfg.count(FULL):
             return KVState(tuple(_ring(cfg, batch, chunk) for _ in cfg.layer_types), jnp.zeros((batch,), jnp.int32))
-        spec = self.cache_spec(cfg, batch, max_len, chunk)
         params = self.params(cfg)
         full_index = iter(range(cfg.count(FULL)))
         layers = []
         for kind in cfg.layer_types:
             if kind == FULL:
+                j = next(full_index)
+                spec = self.cache_spec(cfg, batch, max_len, chunk, j)
                 # Per-layer copies: the state is donated by extend/decode, the policy's arrays must survive.
-                layer_params = jax.tree.map(jnp.copy, params.layer(next(full_index)))
+                layer_params = jax.tree.map(jnp.copy, params.layer(j))
                 layers.append(OscarLayer(oc.OscarCache.init(spec, stacked=False), layer_params, self.implementation))
             else:
                 layers.append(_ring(cfg, batch, chunk))

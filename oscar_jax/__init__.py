@@ -6,20 +6,10 @@ the reference attention and the dispatching `attend`. Models live in
 """
 
 from oscar_jax.attention import attend, attend_window
-from oscar_jax.cache import (
-    LayerParams,
-    OscarCache,
-    RingCache,
-    append,
-    bits_per_element,
-    dense_view,
-    nbytes,
-    ring_append,
-    ring_write_prompt,
-    write_prompt,
-)
+from oscar_jax.cache import LayerParams, OscarCache, RingCache, bits_per_element, dense_view, nbytes
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
 from oscar_jax.quant import Quantized, dequantize, quantize
+from oscar_jax.updates import append, ring_append, ring_write_prompt, write_prompt
 
 __all__ = [
     "CacheSpec", "QuantConfig", "RingSpec", "Quantized", "quantize", "dequantize",

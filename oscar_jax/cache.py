@@ -1,4 +1,6 @@
-"""The mixed-precision KV state (docs/ARCHITECTURE.md §3) and its pure update functions.
+"""The mixed-precision KV state (docs/ARCHITECTURE.md §3): its pytrees, their checks and
+what can be read off them (positions, a dequantised view, bytes, bits per element); the
+writes into them are `oscar_jax.updates`.
 
 `OscarCache` holds one layer's mixed cache, what `append`, `write_prompt` and
 `attend` take and what the models' KV state holds per layer (`init(spec,
@@ -15,18 +17,15 @@ ROTATED keys and values (k @ R_K, v @ R_V); rotation happens once, when a token 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax import dispatch, quant
-from oscar_jax.config import LLOYD_MAX_SPAN, CacheSpec, RingSpec
+from oscar_jax import quant
+from oscar_jax.config import CacheSpec, RingSpec
 from oscar_jax.config import bits_per_element as _bpe_formula
 from oscar_jax.pallas_kernels import layout
-from oscar_jax.pallas_kernels.gpu import quantize_pack, quantize_pack_mgpu
-from oscar_jax.pallas_kernels.tpu import bulk_write
 
 STORE_DTYPE = jnp.bfloat16
 
@@ -286,296 +285,6 @@ def ring_positions(lengths: jax.Array, sink: int, window: int) -> jax.Array:
     return jnp.where((p >= sink) & (p >= n - window), p, -1)
 
 
-def _check_append(spec_max_len: int, lengths: jax.Array, c: int) -> jax.Array:
-    """ok [B]: the append of c tokens fits; raise eagerly if lengths are concrete."""
-    ok = lengths + c <= spec_max_len
-    if not isinstance(lengths, jax.core.Tracer):
-        bad = np.nonzero(~np.asarray(ok))[0]
-        if bad.size:
-            raise ValueError(
-                f"append of C={c} tokens overflows max_len={spec_max_len} for batch rows "
-                f"{bad.tolist()} (lengths={np.asarray(lengths)[bad].tolist()})"
-            )
-    return ok
-
-
-def _rotate(x: jax.Array, rot: jax.Array) -> jax.Array:
-    """x [B, T, Hkv, D] (model layout), rot [Hkv, D, D] -> rotated f32 [B, Hkv, T, D]."""
-    return jnp.einsum("bthd,hde->bhte", x.astype(jnp.float32), rot,
-                      precision=jax.lax.Precision.HIGHEST)
-
-
-def shifted_keys(k: jax.Array, params: LayerParams) -> jax.Array:
-    """k [B, T, Hkv, D] as the cache stores it: minus `params.k_shift` when set."""
-    if params.k_shift is None:
-        return k
-    return k.astype(jnp.float32) - params.k_shift.astype(jnp.float32)
-
-
-def _check_kv(name: str, x: jax.Array, b: int, h: int, d: int) -> None:
-    if x.ndim != 4 or x.shape[0] != b or x.shape[2] != h or x.shape[3] != d:
-        raise ValueError(f"{name}.shape={x.shape}: expected [B={b}, T, Hkv={h}, D={d}]")
-
-
-# ----------------------------------------------------------------------------
-# Writes into the quantised history
-
-
-def _write_history(codes, lo, scale, new: quant.Quantized, start, count, bits: int,
-                   channel_major: bool):
-    """Write token i < count of `new` at history index start + i, where that is >= 0.
-
-    One sequence: codes uint8 [H, R, D] (or [H, D, R] when channel_major); lo/scale
-    [H, n_groups, tpb, R]; new is unpacked (codes [H, C, D], lo/scale [H, C, n_groups]);
-    start (may be negative) and count are int32 scalars. Reads and rewrites a static
-    window of byte rows (columns when channel_major), so tokens that share a byte with
-    older ones are merged exactly.
-    """
-    tpb = 8 // bits
-    row_axis = -1 if channel_major else -2
-    rows = codes.shape[row_axis]
-    c = new.codes.shape[-2]
-    win = min(rows, c // tpb + 2)
-    r0 = jnp.clip(jnp.maximum(start, 0) // tpb, 0, rows - win)
-    old_codes = jax.lax.dynamic_slice_in_dim(codes, r0, win, axis=row_axis)
-    old_lo = jax.lax.dynamic_slice_in_dim(lo, r0, win, axis=-1)
-    old_scale = jax.lax.dynamic_slice_in_dim(scale, r0, win, axis=-1)
-    t = r0 * tpb + jnp.arange(win * tpb)  # history index of each token in the window
-    src = t - start
-    take = (src >= 0) & (src < count)
-    src = jnp.clip(src, 0, c - 1)
-
-    def merge(old_tokens, new_tokens, axis):
-        picked = jnp.take(new_tokens, src, axis=axis)
-        shape = [1] * picked.ndim
-        shape[axis] = -1
-        return jnp.where(take.reshape(shape), picked, old_tokens)
-
-    m_codes = merge(layout.unpack_codes(old_codes, bits, channel_major=channel_major), new.codes, -2)
-    m_lo = merge(layout.unpack_meta(old_lo, bits), new.lo, -2)
-    m_scale = merge(layout.unpack_meta(old_scale, bits), new.scale, -2)
-    codes = jax.lax.dynamic_update_slice_in_dim(
-        codes, layout.pack_codes(m_codes, bits, channel_major=channel_major), r0, axis=row_axis)
-    lo = jax.lax.dynamic_update_slice_in_dim(lo, layout.pack_meta(m_lo, bits), r0, axis=-1)
-    scale = jax.lax.dynamic_update_slice_in_dim(scale, layout.pack_meta(m_scale, bits), r0, axis=-1)
-    return codes, lo, scale
-
-
-def _write_history_token(codes, lo, scale, new: quant.Quantized, index, ok, bits: int, channel_major: bool):
-    """Decode's history write: one token per sequence at history index `index` int32 [B] (skipped
-    where negative or not `ok` [B]), as a read-modify-write of its byte row and one metadata
-    element, so a step touches a handful of bytes and stays a few fused kernels.
-
-    codes uint8 [B, H, R, D] ([B, H, D, R] when channel_major); lo/scale [B, H, G, tpb, R];
-    new is unpacked: codes [B, H, 1, D], lo/scale [B, H, 1, G]."""
-    tpb = 8 // bits
-    rows = codes.shape[-1 if channel_major else -2]
-    if rows == 0:  # a cache without history
-        return codes, lo, scale
-    bidx = jnp.arange(codes.shape[0])
-    at = jnp.maximum(index, 0)
-    row, slot = at // tpb, at % tpb
-    row = jnp.where((index >= 0) & ok, row, rows)  # past the end: dropped
-    shift = (bits * slot).astype(jnp.uint8)[:, None, None]
-    mask = jnp.uint8((1 << bits) - 1)
-    code = new.codes[:, :, 0, :].astype(jnp.uint8)  # [B, H, D]
-    if channel_major:
-        old = codes[bidx, :, :, jnp.minimum(row, rows - 1)]  # [B, H, D]
-        merged = (old & ~(mask << shift)) | (code << shift)
-        codes = codes.at[bidx, :, :, row].set(merged, mode="drop")
-    else:
-        old = codes[bidx, :, jnp.minimum(row, rows - 1)]  # [B, H, D]
-        merged = (old & ~(mask << shift)) | (code << shift)
-        codes = codes.at[bidx, :, row].set(merged, mode="drop")
-    lo = lo.at[bidx, :, :, slot, row].set(new.lo[:, :, 0], mode="drop")
-    scale = scale.at[bidx, :, :, slot, row].set(new.scale[:, :, 0], mode="drop")
-    return codes, lo, scale
-
-
-# ----------------------------------------------------------------------------
-# Public updates (per-layer view)
-
-
-def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams) -> OscarCache:
-    """Append C new tokens to every sequence of one layer's cache.
-
-    k, v: [B, C, Hkv, D] post-RoPE, unrotated, C <= W. The tokens are rotated on
-    entry; the C oldest recent tokens that leave the ring are quantised into the
-    history. A row whose lengths + C would pass max_len raises outside jit; inside
-    jit it is left unchanged and its `overflow` flag is set.
-    """
-    spec = cache.spec
-    if cache.is_stacked:
-        raise ValueError("append takes a per-layer cache: use cache.layer(i) or lax.scan")
-    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
-    _check_kv("k", k, b, h, d)
-    _check_kv("v", v, b, h, d)
-    check_params(spec, params, "append")
-    c = k.shape[1]
-    if v.shape != k.shape:
-        raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
-    if c > spec.window:
-        raise ValueError(f"chunk C={c} must be <= window W={spec.window}")
-    k = shifted_keys(k, params)
-    s0, w, bits = spec.sink, spec.window, spec.quant.bits
-    n = cache.lengths
-    ok = _check_append(spec.max_len, n, c)
-    pos = n[:, None] + jnp.arange(c)[None, :]  # [B, C]
-
-    def update(which, x, rot, clip):
-        x_rot = _rotate(x, rot).astype(STORE_DTYPE)  # [B, H, C, D]
-        sink = getattr(cache, f"sink_{which}")
-        ring = getattr(cache, f"recent_{which}")
-        bidx = jnp.arange(b)[:, None]
-        # Tokens leaving the ring: slot of new position p held position p - W.
-        slot = jnp.mod(pos - s0, w)
-        evicted = ring[bidx, :, slot]  # [B, C, H, D]
-        # The ring is read here and written in place below: tying the two makes the read come
-        # first, so XLA updates the ring in place instead of copying it.
-        ring, evicted = jax.lax.optimization_barrier((ring, evicted))
-        evicted = jnp.moveaxis(evicted, 1, 2)  # [B, H, C, D]
-        q = quant.quantize(evicted, spec.quant, clip)
-        # New token i evicts history index n + i - W - S0 (kept where >= 0).
-        start = n - w - s0
-        hist = (getattr(cache, f"hist_codes_{which}"), getattr(cache, f"hist_lo_{which}"),
-                getattr(cache, f"hist_scale_{which}"))
-        if c == 1:
-            codes, lo, scale = _write_history_token(*hist, q, start, ok, bits, layout.CHANNEL_MAJOR[which])
-        else:
-            write = functools.partial(_write_history, bits=bits, channel_major=layout.CHANNEL_MAJOR[which])
-            codes, lo, scale = jax.vmap(write)(*hist, q, start, jnp.where(ok, c, 0))
-        in_sink = (pos < s0) & ok[:, None]
-        sink = sink.at[bidx, :, jnp.where(in_sink, pos, s0)].set(
-            jnp.moveaxis(x_rot, 2, 1), mode="drop")
-        in_ring = (pos >= s0) & ok[:, None]
-        ring = ring.at[bidx, :, jnp.where(in_ring, slot, w)].set(
-            jnp.moveaxis(x_rot, 2, 1), mode="drop")
-        return {f"sink_{which}": sink, f"recent_{which}": ring, f"hist_codes_{which}": codes,
-                f"hist_lo_{which}": lo, f"hist_scale_{which}": scale}
-
-    updates = {**update("k", k, params.rot_k, params.clip_k),
-               **update("v", v, params.rot_v, params.clip_v)}
-    return dataclasses.replace(
-        cache, **updates, lengths=jnp.where(ok, n + c, n), overflow=cache.overflow | ~ok)
-
-
-def _gpu_bulk_write(kernel):
-    """`write_prompt`'s write of a GPU bulk kernel module (`quantize_pack` or
-    `quantize_pack_mgpu`): fn(x [B, T, H, D], rot, clip, spec, start, count, channel_major,
-    interpret) -> the packed Quantized of tokens [start, start + count) (zeros past T;
-    channel-major codes if asked)."""
-
-    def write(x, rot, clip, spec: CacheSpec, start: int, count: int, channel_major: bool, interpret: bool):
-        cfg = spec.quant
-        span = LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None
-        codes, lo, scale = kernel.quantize_pack(
-            x.astype(STORE_DTYPE), rot, clip, bits=cfg.bits, levels=cfg.levels,
-            group_size=spec.group_size, span=span, scale_dtype=cfg.jnp_scale_dtype,
-            start=start, count=count, channel_major=channel_major, interpret=interpret)
-        return quant.Quantized(codes=codes, lo=lo, scale=scale)
-
-    return write
-
-
-def _tpu_bulk_write(x, rot, clip, spec: CacheSpec, start: int, count: int, channel_major: bool,
-                    interpret: bool) -> quant.Quantized:
-    """`_gpu_bulk_write`'s contract with the TPU bulk kernel."""
-    cfg = spec.quant
-    xs = x[:, start:start + count]
-    xs = jnp.pad(xs, ((0, 0), (0, count - xs.shape[1]), (0, 0), (0, 0)))
-    codes, lo, scale = bulk_write.bulk_write(
-        xs, rot, clip, bits=cfg.bits, group_size=cfg.group_size, levels=cfg.levels,
-        codebook=cfg.codebook, lloyd_max_span=LLOYD_MAX_SPAN if cfg.codebook == "lloyd_max" else None,
-        scale_dtype=cfg.scale_dtype, channel_major=channel_major, interpret=interpret)
-    return quant.Quantized(codes=codes, lo=lo, scale=scale)
-
-
-# write_prompt's implementations ("xla": its own XLA quantiser); "auto" takes the Mosaic GPU
-# bulk write on Hopper where it applies, else the Triton one, on GPU (both much faster than XLA).
-dispatch.register("write", "xla", None)
-dispatch.register("write", "pallas", _gpu_bulk_write(quantize_pack),
-                  lambda spec, queries, group: quantize_pack.supports(spec))
-dispatch.register("write", "pallas_mosaic_gpu", _gpu_bulk_write(quantize_pack_mgpu),
-                  lambda spec, queries, group: quantize_pack_mgpu.supports(spec))
-dispatch.register("write", "pallas_tpu", _tpu_bulk_write)
-
-
-def write_prompt(cache: OscarCache, k: jax.Array, v: jax.Array, prompt_lengths: jax.Array,
-                 params: LayerParams, *, implementation: str = "auto", interpret: bool = False) -> OscarCache:
-    """Bulk write of whole prompts into one layer's cache (replaces its contents).
-
-    k, v: [B, T, Hkv, D] post-RoPE, unrotated; prompt_lengths: int32 [B] <= T.
-    Row b ends up holding positions [0, prompt_lengths[b]): the sink, the quantised
-    history [S0, n - W) and the recent ring. Rows whose prompt_lengths lie outside
-    [0, min(T, max_len)] raise outside jit; inside jit they are emptied and flagged in
-    `overflow`.
-    implementation: `oscar_jax.dispatch`'s names: "xla", "pallas" / "pallas_mosaic_gpu" /
-    "pallas_tpu" (the Triton / Mosaic GPU / TPU bulk rotate-quantise-pack kernel; only the
-    sink and ring tokens are rotated in XLA) or "auto"; interpret: run an explicit kernel
-    implementation in Pallas interpret mode (any backend; for tests).
-    """
-    spec = cache.spec
-    impl = dispatch.resolve("write", implementation, spec, interpret=interpret)
-    if cache.is_stacked:
-        raise ValueError("write_prompt takes a per-layer cache: use cache.layer(i) or lax.scan")
-    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
-    _check_kv("k", k, b, h, d)
-    _check_kv("v", v, b, h, d)
-    check_params(spec, params, "write_prompt")
-    if v.shape != k.shape:
-        raise ValueError(f"v.shape={v.shape} must equal k.shape={k.shape}")
-    k = shifted_keys(k, params)
-    t = k.shape[1]
-    n = jnp.asarray(prompt_lengths, jnp.int32)
-    if n.shape != (b,):
-        raise ValueError(f"prompt_lengths.shape={n.shape}: expected [B={b}]")
-    ok = (n >= 0) & (n <= min(t, spec.max_len))
-    if not isinstance(n, jax.core.Tracer):
-        bad = np.nonzero(~np.asarray(ok))[0]
-        if bad.size:
-            raise ValueError(f"write_prompt: prompt_lengths={np.asarray(n).tolist()} must lie in "
-                             f"[0, min(T={t}, max_len={spec.max_len})] (batch rows {bad.tolist()})")
-    n = jnp.where(ok, n, 0)
-    s0, w, bits, tpb = spec.sink, spec.window, spec.quant.bits, spec.quant.tokens_per_byte
-    n_hist = min(max(t - s0, 0), spec.hist_capacity)
-    n_hist = -(-n_hist // tpb) * tpb
-    ring_pos = ring_positions(n, s0, w)  # [B, W]
-
-    def fit(x, start, size):  # x [B, H, T, D] -> [B, H, size, D], zero-padded past T
-        x = x[:, :, start:start + size]
-        return jnp.pad(x, ((0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)))
-
-    def update(which, x, rot, clip):
-        if impl != "xla":  # rotate only the sink and ring tokens here; the kernel does the rest
-            sink = fit(_rotate(x[:, :s0], rot), 0, s0).astype(STORE_DTYPE)
-            ring = _rotate(jnp.take_along_axis(x, jnp.maximum(ring_pos, 0)[:, :, None, None], axis=1),
-                           rot)
-        else:
-            x_rot = _rotate(x, rot)  # [B, H, T, D] f32
-            sink = fit(x_rot, 0, s0).astype(STORE_DTYPE)
-            ring = jnp.take_along_axis(x_rot, jnp.maximum(ring_pos, 0)[:, None, :, None], axis=2)
-        ring = jnp.where((ring_pos >= 0)[:, None, :, None], ring, 0).astype(STORE_DTYPE)
-        hist = cache.hist(which)
-        channel_major = layout.CHANNEL_MAJOR[which]
-        if n_hist:
-            if impl != "xla":
-                q = dispatch.get("write", impl)(x, rot, clip, spec, s0, n_hist, channel_major, interpret)
-            else:
-                q = quant.pack(quant.quantize(fit(x_rot, s0, n_hist).astype(STORE_DTYPE),
-                                              spec.quant, clip), bits, channel_major=channel_major)
-            hist = quant.Quantized(
-                codes=jax.lax.dynamic_update_slice_in_dim(hist.codes, q.codes, 0,
-                                                          axis=-1 if channel_major else -2),
-                lo=jax.lax.dynamic_update_slice_in_dim(hist.lo, q.lo, 0, axis=-1),
-                scale=jax.lax.dynamic_update_slice_in_dim(hist.scale, q.scale, 0, axis=-1))
-        return {f"sink_{which}": sink, f"recent_{which}": ring, f"hist_codes_{which}": hist.codes,
-                f"hist_lo_{which}": hist.lo, f"hist_scale_{which}": hist.scale}
-
-    updates = {**update("k", k, params.rot_k, params.clip_k),
-               **update("v", v, params.rot_v, params.clip_v)}
-    return dataclasses.replace(cache, **updates, lengths=n, overflow=~ok)
-
-
 def dense_view(cache: OscarCache) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dequantised contents by position (rotated basis), for tests and the reference.
 
@@ -616,50 +325,9 @@ def bits_per_element(cache: OscarCache) -> float:
     return sum(n * bpe for n, bpe in held) / sum(n for n, _ in held)
 
 
-def ring_append(cache: RingCache, k: jax.Array, v: jax.Array) -> RingCache:
-    """Append C tokens (k, v: [B, C, Hkv, D], unrotated) to one sliding-window layer."""
-    spec = cache.spec
-    b, h, d = spec.batch, spec.kv_heads, spec.head_dim
-    _check_kv("k", k, b, h, d)
-    _check_kv("v", v, b, h, d)
-    c = k.shape[1]
-    if c > spec.max_chunk:
-        raise ValueError(
-            f"chunk C={c} must be <= capacity - window + 1 = {spec.max_chunk} "
-            f"(raise RingSpec.capacity for longer extend chunks)")
-    n = cache.lengths
-    pos = n[:, None] + jnp.arange(c)[None, :]
-    bidx = jnp.arange(b)[:, None]
-    slot = jnp.mod(pos, spec.capacity)
-    put = lambda ring, x: ring.at[bidx, :, slot].set(x.astype(STORE_DTYPE))
-    return dataclasses.replace(cache, k=put(cache.k, k), v=put(cache.v, v), lengths=n + c)
-
-
 def ring_slot_positions(lengths: jax.Array, capacity: int) -> jax.Array:
     """Position held by each slot of a plain ring (slot p % capacity): int32 [B, capacity], -1 if empty."""
     n = lengths[:, None]
     j = jnp.arange(capacity)[None, :]
     p = n - 1 - jnp.mod(n - 1 - j, capacity)
     return jnp.where(p >= 0, p, -1)
-
-
-def ring_write_prompt(cache: RingCache, k: jax.Array, v: jax.Array,
-                      prompt_lengths: jax.Array) -> RingCache:
-    """Bulk write of whole prompts into one sliding-window layer (replaces its contents).
-
-    k, v: [B, T, Hkv, D]; prompt_lengths: int32 [B] <= T. Keeps the last
-    `capacity` positions of each prompt.
-    """
-    spec = cache.spec
-    _check_kv("k", k, spec.batch, spec.kv_heads, spec.head_dim)
-    _check_kv("v", v, spec.batch, spec.kv_heads, spec.head_dim)
-    n = jnp.asarray(prompt_lengths, jnp.int32)
-    if n.shape != (spec.batch,):
-        raise ValueError(f"prompt_lengths.shape={n.shape}: expected [B={spec.batch}]")
-    pos = ring_slot_positions(n, spec.capacity)  # [B, capacity]
-
-    def gather(x):  # [B, T, H, D] -> [B, H, capacity, D]
-        g = jnp.take_along_axis(x, jnp.maximum(pos, 0)[:, :, None, None], axis=1)
-        return jnp.moveaxis(jnp.where((pos >= 0)[:, :, None, None], g, 0), 1, 2).astype(STORE_DTYPE)
-
-    return dataclasses.replace(cache, k=gather(k), v=gather(v), lengths=n)

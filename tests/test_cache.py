@@ -9,6 +9,7 @@ import pytest
 
 import oscar_jax as oj
 from oscar_jax import cache as cache_lib
+from oscar_jax import updates
 from oscar_jax import rotation
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element
 from cache_oracle import SequenceOracle, random_kv, signed_permutation
@@ -226,8 +227,8 @@ def test_single_token_history_write_equals_the_window_write(bits, channel_major)
         scale=jnp.asarray(rng.standard_normal((b, h, 1, g)), jnp.bfloat16))
     index = jnp.asarray([0, tpb - 1, tpb * rows - 1, 2 * tpb + 1 if tpb > 1 else 2, -3, 3], jnp.int32)
     ok = jnp.asarray([True, True, True, True, True, False])
-    got = cache_lib._write_history_token(codes, lo, scale, new, index, ok, bits, channel_major)
-    window = jax.vmap(functools.partial(cache_lib._write_history, bits=bits, channel_major=channel_major))
+    got = updates._write_history_token(codes, lo, scale, new, index, ok, bits, channel_major)
+    window = jax.vmap(functools.partial(updates._write_history, bits=bits, channel_major=channel_major))
     want = window(codes, lo, scale, new, index, jnp.where(ok, 1, 0))
     for got_x, want_x in zip(got, want):
         np.testing.assert_array_equal(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32))

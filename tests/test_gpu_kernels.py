@@ -40,6 +40,7 @@ from hypothesis import given, settings, strategies as st
 from cache_oracle import random_kv, signed_permutation
 from oscar_jax import attention, dispatch, quant, reference
 from oscar_jax import cache as cache_lib
+from oscar_jax import updates
 from oscar_jax.config import CacheSpec, QuantConfig
 from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.gpu import (decode_finish, decode_start, hopper, mixed_attention,
@@ -89,10 +90,10 @@ def _lengths(rng, pattern: int, c: int, spec: CacheSpec) -> np.ndarray:
 @functools.partial(jax.jit, static_argnames=("c",))
 def _build(cache, params, k, v, lengths, *, c):
     """write_prompt the first n - C tokens of k, v [B, T, H, D], then append the last C."""
-    cache = cache_lib.write_prompt(cache, k, v, lengths - c, params, implementation="xla")
+    cache = updates.write_prompt(cache, k, v, lengths - c, params, implementation="xla")
     idx = (lengths - c)[:, None] + jnp.arange(c)[None, :]
     take = lambda x: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
-    return cache_lib.append(cache, take(k), take(v), params)
+    return updates.append(cache, take(k), take(v), params)
 
 
 _reference = jax.jit(reference.attend)
@@ -176,7 +177,7 @@ def test_dispatch_refuses_unsupported_specs():
     assert attention.resolve("auto", spec4, 1, 4, backend="gpu") == "xla"
     assert attention.resolve("auto", _spec(64, 32, "uniform", "bfloat16"), 1, 4, backend="gpu") == "pallas"  # G < D
     with pytest.raises(ValueError, match="group size"):
-        cache_lib.write_prompt(cache_lib.OscarCache.init(spec_g8).layer(0),
+        updates.write_prompt(cache_lib.OscarCache.init(spec_g8).layer(0),
                                jnp.ones((1, 4, 1, 64), jnp.bfloat16), jnp.ones((1, 4, 1, 64), jnp.bfloat16),
                                jnp.array([4]), cache_lib.LayerParams.create(
                                    np.eye(64), np.eye(64), 1.0, 1.0, num_layers=1, kv_heads=1).layer(0),
@@ -211,12 +212,12 @@ def test_kernels_run_off_their_backend_only_when_interpreted():
             attention.attend(q, cache, params, implementation="pallas")
         x = jnp.zeros((spec.batch, 8, spec.kv_heads, spec.head_dim), jnp.bfloat16)
         with pytest.raises(ValueError, match="interpret=True"):
-            cache_lib.write_prompt(cache, x, x, jnp.full((spec.batch,), 8), params, implementation="pallas_mosaic_gpu")
+            updates.write_prompt(cache, x, x, jnp.full((spec.batch,), 8), params, implementation="pallas_mosaic_gpu")
 
 
 _ONE_THREAD_WRITE = """
 import jax, jax.numpy as jnp, numpy as np
-from oscar_jax import cache as cache_lib
+from oscar_jax import cache as cache_lib, updates
 from oscar_jax.config import CacheSpec, QuantConfig
 spec = CacheSpec(1, 1, 2, 128, 512, 16, 32, QuantConfig(2))
 rng = np.random.default_rng(0)
@@ -224,9 +225,9 @@ perm = np.stack([np.eye(128)[rng.permutation(128)] * rng.choice([-1.0, 1.0], 128
 params = cache_lib.LayerParams.create(perm, perm, 0.9, 0.9, num_layers=1, kv_heads=2).layer(0)
 k, v = (jnp.asarray(rng.standard_normal((1, 200, 2, 128)), jnp.bfloat16) for _ in "kv")
 empty = cache_lib.OscarCache.init(spec).layer(0)
-got = cache_lib.write_prompt(empty, k, v, jnp.array([200]), params, implementation="pallas_mosaic_gpu",
+got = updates.write_prompt(empty, k, v, jnp.array([200]), params, implementation="pallas_mosaic_gpu",
                              interpret=True)
-want = cache_lib.write_prompt(empty, k, v, jnp.array([200]), params, implementation="xla")
+want = updates.write_prompt(empty, k, v, jnp.array([200]), params, implementation="xla")
 for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 print("equal")
@@ -278,7 +279,7 @@ def test_write_prompt_pallas_matches_xla(config, rotation, seed, exact=True):
     v = jnp.asarray(random_kv(rng, 3, t, h, d), jnp.bfloat16)
     lengths = jnp.asarray([t, int(rng.integers(SINK + WINDOW, t)), int(rng.integers(1, SINK + WINDOW))])
     empty = cache_lib.OscarCache.init(spec).layer(0)
-    write = jax.jit(cache_lib.write_prompt, static_argnames=("implementation", "interpret"))
+    write = jax.jit(updates.write_prompt, static_argnames=("implementation", "interpret"))
     got = write(empty, k, v, lengths, params, implementation=_write_kernel(spec), interpret=INTERPRET)
     want = write(empty, k, v, lengths, params, implementation="xla")
     exact = exact and rotation == "permutation"
@@ -929,7 +930,7 @@ def test_write_prompt_on_gpu_ties_only(config):
     k = jnp.asarray(random_kv(rng, 3, t, spec.kv_heads, d), jnp.bfloat16)
     v = jnp.asarray(random_kv(rng, 3, t, spec.kv_heads, d), jnp.bfloat16)
     lengths = jnp.asarray([t, t - 30, 40])
-    write = jax.jit(cache_lib.write_prompt, static_argnames=("implementation",))
+    write = jax.jit(updates.write_prompt, static_argnames=("implementation",))
     empty = cache_lib.OscarCache.init(spec).layer(0)
     got = write(empty, k, v, lengths, params, implementation=_write_kernel(spec))
     want = write(empty, k, v, lengths, params, implementation="xla")

@@ -235,3 +235,35 @@ def test_gpu_serving_path_matches_the_xla_path(name):
     print(f"\n{name}: max|logit diff| fast vs XLA = {np.abs(runs[0] - runs[1]).max():.3g} (|logits| <= {scale:.2f})")
     np.testing.assert_allclose(runs[0], runs[1], atol=0.05 * scale, rtol=0)
     assert (runs[0].argmax(-1) == runs[1].argmax(-1)).mean() >= 0.9
+
+
+def test_ctrl_c_stops_a_long_generation_promptly(tmp_path):
+    """`oscar generate` of 400K tokens (minutes of decoding on this tiny model) gets SIGINT a few
+    seconds into its decode loop and stops within seconds: the loop runs in segments, the host
+    sees the interrupt between them, prints the text so far and exits 130."""
+    import json as json_lib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config = json_lib.loads(open("tests/fixtures/hf_tiny/llama3/config.json").read())
+    (tmp_path / "config.json").write_text(json_lib.dumps({**config, "max_position_embeddings": 1 << 20}))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from oscar_jax.models.cli import main; main()", "generate", "--model", str(tmp_path),
+         "--random-weights", "--kv", "bf16", "--prompt", "hi", "--max-new-tokens", "400000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(30)  # past start-up, compile and prefill: decoding
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        output = proc.communicate(timeout=60)[0]
+        stopped_in = time.monotonic() - t0
+    finally:
+        proc.kill()
+    print(f"\nstopped {stopped_in:.1f} s after SIGINT")
+    assert proc.returncode == 130, output
+    new_tokens = int(re.search(r"interrupted after (\d+) new tokens", output).group(1))
+    assert 0 < new_tokens < 400000 and re.search(rf"new tokens\W+{new_tokens}\b", output)
+    assert stopped_in < 15

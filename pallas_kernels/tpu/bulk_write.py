@@ -119,7 +119,7 @@ def bulk_write(x, rot, clip, *, bits: int, group_size: int | None, levels: tuple
     rot: f32 [Hkv, D, D]; clip: f32 scalar in (0, 1]. bits, group_size, levels,
     codebook, lloyd_max_span (required for "lloyd_max") and scale_dtype are the
     fields of the cache's `QuantConfig`. round_to: dtype the rotated
-    values are rounded to before quantising ("bfloat16" as `cache.write_prompt`
+    values are rounded to before quantising ("bfloat16" as `updates.write_prompt`
     does; None keeps float32). Returns (codes u8 [B, Hkv, T/tpb, D] or, channel_major
     (the V history), [B, Hkv, D, T/tpb]; lo, scale scale_dtype [B, Hkv, D/G, tpb, T/tpb])
     = `quant.pack(quant.quantize(rotated, cfg, clip), channel_major=channel_major)`.
