@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import typer
 
-from oscar_jax import artifact
+from oscar_jax import artifact, budget
 from oscar_jax import calibrate as cal
 from oscar_jax import learn
 from oscar_jax.config import QuantConfig
@@ -124,39 +124,73 @@ def capture_batches(model: Decoder, calib_ids: np.ndarray, *, seq_len: int = 102
     return stream
 
 
+def _halves(run: CalibrationRun):
+    """The held-aside windows split in two: (fit part, measured part), (q, k, v) each."""
+    b = run.heldout[0].shape[1]
+    if b < 2:
+        raise ValueError(f"held-aside errors need >= 2 held-aside windows (fit on one half, measure on the other), "
+                         f"got {b}")
+    return tuple(x[:, : b // 2] for x in run.heldout), tuple(x[:, b // 2:] for x in run.heldout)
+
+
+def heldout_errors(run: CalibrationRun, rot_k, rot_v, quant_cfg: QuantConfig, clips: cal.ClipMode = "fit",
+                   grid=cal.CLIP_GRID, softmax_scale: float | None = None, *, sink: int, window: int,
+                   center_keys: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Held-aside relative attention-logit error (keys quantised), attention-output error
+    (values quantised, keys exact) and served attention-output error (keys and values
+    quantised, sink and window exact: `learn.attention_error`), per layer [L] each, of one
+    calibration (rot_k, rot_v: names or `calibrate.Rotation`s; quant_cfg: its quantiser).
+    Clips are fitted (clips="fit") on the first half of the held-aside windows and the errors
+    measured on the second; center_keys: as the calibration (the key errors are then those
+    of the centered keys)."""
+    fit_part, (q_eval, k_eval, v_eval) = _halves(run)
+    c = cal.calibrate(run.stats, fit_part, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
+                      clips=clips, grid=grid, softmax_scale=softmax_scale, center_keys=center_keys)
+    k_c = k_eval if c.k_shift is None else k_eval - c.k_shift[:, None, None]
+    served = learn.attention_error(q_eval, k_eval, v_eval, c.rot_k, c.rot_v, c.clip_k, c.clip_v, quant_cfg,
+                                   sink=sink, window=window, k_shift=c.k_shift, softmax_scale=softmax_scale)
+    return (cal.logit_error(q_eval, k_c, c.rot_k, c.clip_k, quant_cfg),
+            cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale), served)
+
+
 def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
                      clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID, softmax_scale: float | None = None, *,
                      sink: int, window: int, center_keys: bool = False,
                      learned: Callable[[str], tuple[cal.Rotation, cal.Rotation]] | None = None
                      ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per rotation variant (used for K and V): held-aside relative attention-logit error
-    (keys quantised), attention-output error (values quantised, keys exact) and the served
-    attention-output error (keys and values quantised, sink and window exact:
-    `learn.attention_error`), per layer [L] each.
-
-    The held-aside windows are split in two: clips are fitted on the first half
-    (clips="fit") and the errors are measured on the second. center_keys: as the
-    calibration (the key errors are then those of the centered keys). learned(name) gives
-    the (rot_k, rot_v) of a "learned" variant."""
-    b = run.heldout[0].shape[1]
-    if b < 2:
-        raise ValueError(f"compare_variants needs >= 2 held-aside windows, got {b}")
-    fit_part = tuple(x[:, : b // 2] for x in run.heldout)
-    q_eval, k_eval, v_eval = (x[:, b // 2:] for x in run.heldout)
+    """`heldout_errors` per rotation variant (used for K and V); learned(name) gives the
+    (rot_k, rot_v) of a "learned" variant."""
+    _halves(run)
     out = {}
     for name in names:
         spec = cal.RotationSpec.parse(name)
         if spec.kind == "learned" and learned is None:
             raise ValueError(f"variant {name!r} needs learned=: a callable that trains it")
         rot_k, rot_v = learned(name) if spec.kind == "learned" else (name, name)
-        c = cal.calibrate(run.stats, fit_part, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
-                          clips=clips, grid=grid, softmax_scale=softmax_scale, center_keys=center_keys)
-        k_c = k_eval if c.k_shift is None else k_eval - c.k_shift[:, None, None]
-        served = learn.attention_error(q_eval, k_eval, v_eval, c.rot_k, c.rot_v, c.clip_k, c.clip_v, quant_cfg,
-                                       sink=sink, window=window, k_shift=c.k_shift, softmax_scale=softmax_scale)
-        out[name] = (cal.logit_error(q_eval, k_c, c.rot_k, c.clip_k, quant_cfg),
-                     cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale), served)
+        out[name] = heldout_errors(run, rot_k, rot_v, quant_cfg, clips, grid, softmax_scale, sink=sink,
+                                   window=window, center_keys=center_keys)
     return out
+
+
+def budget_calibration(run: CalibrationRun, rot_k, rot_v, candidates: tuple[QuantConfig, ...], target: float,
+                       context: int, clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID,
+                       softmax_scale: float | None = None, *, sink: int, window: int, center_keys: bool = False
+                       ) -> tuple[cal.Calibration, np.ndarray, np.ndarray, np.ndarray]:
+    """A bit budget: each candidate quantiser's held-aside served attention-output error per
+    layer (`heldout_errors`), one candidate per layer by `budget.allocate` within `target`
+    bits/element at `context` tokens (sink and window in bf16; the layers weigh equally,
+    each holding Hkv·D channels), the chosen candidates' calibrations (clips fitted on all
+    held-aside windows) joined by `budget.select`. Returns (calibration, errors [L, C],
+    bits [C], picked [L])."""
+    head_dim = run.stats.query_cov.shape[-1]
+    bits = budget.candidate_bits(candidates, head_dim=head_dim, sink=sink, window=window, context=context)
+    errors = np.stack([heldout_errors(run, rot_k, rot_v, q, clips, grid, softmax_scale, sink=sink, window=window,
+                                      center_keys=center_keys)[2] for q in candidates], axis=1)
+    picked = budget.allocate(errors, np.broadcast_to(bits, errors.shape), target)
+    calibrations = [cal.calibrate(run.stats, run.heldout, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=q,
+                                  clips=clips, grid=grid, softmax_scale=softmax_scale, center_keys=center_keys)
+                    for q in candidates]
+    return budget.select(calibrations, picked), errors, bits, picked
 
 
 def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
@@ -202,8 +236,16 @@ def calibrate(
     learn_epochs: int = typer.Option(1, help="learned rotations: passes over the calibration windows"),
     learn_steps: int = typer.Option(4, help="learned rotations: Adam steps per batch of windows"),
     learn_batch: int = typer.Option(1, help="learned rotations: windows per batch"),
+    learn_tokens: int | None = typer.Option(None, help="learned rotations: train on the first N calibration "
+                                                       "tokens (default: all --tokens)"),
     learn_queries: int = typer.Option(128, help="learned rotations: queries sampled per window and step"),
     learn_rate: float = typer.Option(1e-3, help="learned rotations: Adam learning rate"),
+    target_bpe: float | None = typer.Option(None, help="a bit budget: each layer's quantiser chosen among "
+                                                       "--budget-candidates (least summed held-aside served "
+                                                       "error) within these bits/element at --budget-context"),
+    budget_candidates: str = typer.Option("", help="BITS[:G],... the --target-bpe candidates (default: 2 and 4 "
+                                                   "bits at --group-size and at half of it)"),
+    budget_context: int = typer.Option(8192, min=1, help="--target-bpe: the sequence length the bits are counted at"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
     json_out: Path | None = typer.Option(None, "--json", help="write the timings and --compare errors here"),
@@ -247,12 +289,29 @@ def calibrate(
     cli.check_context(cfg, seq_len, "a forward window (--seq-len)")
     if tokens < seq_len:
         cli.fail(f"--tokens {tokens} is less than one --seq-len {seq_len} window")
-    held_windows = 2 if compare else 1
+    learn_tokens = tokens if learn_tokens is None else learn_tokens
+    if not seq_len <= learn_tokens <= tokens:
+        cli.fail(f"--learn-tokens {learn_tokens}: expected one --seq-len {seq_len} window to --tokens {tokens}")
+    candidates = ()
+    if target_bpe is not None:
+        g = group_size or cfg.head_dim
+        listed = budget_candidates or ",".join(f"{b}:{x}" for b in (2, 4) for x in dict.fromkeys((g, max(g // 2, 1))))
+        try:
+            candidates = budget.parse_candidates(listed, cfg.head_dim)
+        except ValueError as e:
+            cli.fail(f"--budget-candidates {listed!r}: {e}")
+        bits = budget.candidate_bits(candidates, head_dim=cfg.head_dim, sink=sink, window=window,
+                                     context=budget_context)
+        if bits.min() > target_bpe:
+            cli.fail(f"--target-bpe {target_bpe}: the cheapest candidate costs {bits.min():.3f} bits/element at "
+                     f"--budget-context {budget_context} with --sink {sink} --window {window}")
+    measures = " and ".join(o for o, on in (("--compare", compare), ("--target-bpe", target_bpe is not None)) if on)
+    held_windows = 2 if measures else 1
     if heldout_tokens < held_windows * seq_len:
         cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
-                 f"window(s){' (--compare fits on one, measures on another)' if compare else ''}")
-    if compare and seq_len <= sink + window:
-        cli.fail(f"--seq-len {seq_len}: --compare measures the served error on windows longer than "
+                 f"window(s){f' ({measures} fits on one, measures on another)' if measures else ''}")
+    if measures and seq_len <= sink + window:
+        cli.fail(f"--seq-len {seq_len}: {measures} measures the served error on windows longer than "
                  f"--sink + --window = {sink + window}")
     try:
         source = calibration_text(text)
@@ -278,8 +337,8 @@ def calibrate(
         nonlocal learn_seconds
         if (rot_k, rot_v) not in learned_cache:
             t0 = time.perf_counter()
-            batches = capture_batches(decoder, ids[:tokens], seq_len=seq_len, batch=learn_batch)
-            n_batches = -(-(tokens // seq_len) // learn_batch)
+            batches = capture_batches(decoder, ids[:learn_tokens], seq_len=seq_len, batch=learn_batch)
+            n_batches = -(-(learn_tokens // seq_len) // learn_batch)
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("served output error {task.fields[loss]}"), TimeElapsedColumn())
             with Progress(*columns, console=console) as bar:
@@ -297,8 +356,15 @@ def calibrate(
     rotations = learned(rotation_k, rotation_v) if is_learned(rotation_k) or is_learned(rotation_v) else (
         rotation_k, rotation_v)
     t0 = time.perf_counter()
-    result = cal.calibrate(run.stats, run.heldout, rotation_k=rotations[0], rotation_v=rotations[1],
-                           quant_cfg=quant_cfg, clips=clips, grid=grid, center_keys=center_keys)
+    scale = decoder.cfg.softmax_scale
+    if target_bpe is None:
+        result = cal.calibrate(run.stats, run.heldout, rotation_k=rotations[0], rotation_v=rotations[1],
+                               quant_cfg=quant_cfg, clips=clips, grid=grid, softmax_scale=scale,
+                               center_keys=center_keys)
+    else:
+        result, budget_errors, budget_bits, picked = budget_calibration(
+            run, *rotations, candidates, target_bpe, budget_context, clips, grid, scale, sink=sink, window=window,
+            center_keys=center_keys)
     fit_s = time.perf_counter() - t0
     try:
         meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
@@ -309,12 +375,22 @@ def calibrate(
     spread_k, spread_v = eigen_spread(run.stats)
     table = Table(title=f"oscar calibrate {model}: {run.stats.tokens} tokens, {meta.rotation_k}/"
                         f"{meta.rotation_v}, {value_weighting}, clips {clips}")
-    for col in ("layer", "λmax/λmed C_K", "λmax/λmed C_V", "clip K", "clip V"):
+    quant_name = lambda q: f"{q.bits}-bit G={q.group_size or cfg.head_dim}"
+    budget_cols = () if target_bpe is None else ("quantiser", *(f"error {quant_name(q)}" for q in candidates))
+    for col in ("layer", "λmax/λmed C_K", "λmax/λmed C_V", "clip K", "clip V", *budget_cols):
         table.add_column(col, justify="right")
     for i, layer in enumerate(run.layers):
+        budget_cells = () if target_bpe is None else (
+            quant_name(result.layer_quant[i]), *(f"{e:.4f}" for e in budget_errors[i]))
         table.add_row(str(layer), f"{spread_k[i]:.1f}", f"{spread_v[i]:.1f}",
-                      f"{result.clip_k[i]:.2f}", f"{result.clip_v[i]:.2f}")
+                      f"{result.clip_k[i]:.2f}", f"{result.clip_v[i]:.2f}", *budget_cells)
     console.print(table)
+    if target_bpe is not None:
+        spent = float(budget_bits[picked].mean())
+        console.print(f"bit budget: {spent:.3f} bits/element at {budget_context} tokens (target {target_bpe}); "
+                      f"summed held-aside served error {budget_errors[np.arange(len(picked)), picked].sum():.4f} "
+                      f"(uniform: " + ", ".join(f"{quant_name(q)} {budget_errors[:, c].sum():.4f} at "
+                                                f"{budget_bits[c]:.3f}" for c, q in enumerate(candidates)) + ")")
     at_edge = int(np.sum(result.clip_k <= grid[0]) + np.sum(result.clip_v <= grid[0])) if clips == "fit" else 0
     if at_edge:
         console.print(f"[yellow]{at_edge} of {2 * len(run.layers)} fitted ratios sit at the grid's lowest "
@@ -328,6 +404,12 @@ def calibrate(
     timing = {**setting, "rotation_k": meta.rotation_k, "rotation_v": meta.rotation_v,
               "calibration_forward_s": run.seconds, "learn_s": learn_seconds, "fit_s": fit_s}
     rows = [timing]
+    if target_bpe is not None:
+        rows.append({**setting, "variant": "budget", "target_bpe": target_bpe, "context": budget_context,
+                     "bpe": float(budget_bits[picked].mean()),
+                     "candidates": [dataclasses.asdict(q) for q in candidates],
+                     "candidate_bpe": budget_bits.tolist(), "layer_errors": budget_errors.tolist(),
+                     "picked": picked.tolist()})
     if time_forward:
         calib_rows = windows(ids[:tokens], seq_len)
         jax.block_until_ready(_forward(decoder, jnp.asarray(calib_rows[:1])))  # compile

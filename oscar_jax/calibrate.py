@@ -518,7 +518,9 @@ class Calibration:
     """One model's calibration: key/value rotations, per-layer clips [L] and the
     names that made them (value weighting, clip mode), tokens: calibration tokens;
     quant: the quantiser the clips were fitted for; fit: the clip curves (None when fixed);
-    k_shift: None, or the key mean [L, Hkv, D] removed before quantising (`LayerParams.k_shift`)."""
+    k_shift: None, or the key mean [L, Hkv, D] removed before quantising (`LayerParams.k_shift`);
+    layer_quant: None, or one quantiser per layer (a bit budget, `oscar_jax.budget.select`),
+    each layer's clips fitted for its own."""
 
     rot_k: Rotation
     rot_v: Rotation
@@ -530,6 +532,7 @@ class Calibration:
     quant: QuantConfig
     fit: ClipFit | None = None
     k_shift: np.ndarray | None = None
+    layer_quant: tuple[QuantConfig, ...] | None = None
 
     def layer_params(self, v_folded: bool = False) -> LayerParams:
         """The stacked serving parameters [L, Hkv, D, D] (duals only for non-orthogonal variants)."""
