@@ -153,20 +153,29 @@ def heldout_errors(run: CalibrationRun, rot_k, rot_v, quant_cfg: QuantConfig, cl
             cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale), served)
 
 
+def split_variant(name: str) -> tuple[str, str]:
+    """'K:V' -> (K, V); a single name -> (name, name)."""
+    k_name, _, v_name = name.partition(":")
+    return k_name, v_name or k_name
+
+
 def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
                      clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID, softmax_scale: float | None = None, *,
                      sink: int, window: int, center_keys: bool = False,
-                     learned: Callable[[str], tuple[cal.Rotation, cal.Rotation]] | None = None
+                     learned: Callable[[str, str], tuple[cal.Rotation, cal.Rotation]] | None = None
                      ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """`heldout_errors` per rotation variant (used for K and V); learned(name) gives the
-    (rot_k, rot_v) of a "learned" variant."""
+    """`heldout_errors` per rotation variant: a name (used for K and V) or 'K:V' (each its
+    own); learned(k_name, v_name) gives the (rot_k, rot_v) of a pair with a "learned" one."""
     _halves(run)
     out = {}
     for name in names:
-        spec = cal.RotationSpec.parse(name)
-        if spec.kind == "learned" and learned is None:
-            raise ValueError(f"variant {name!r} needs learned=: a callable that trains it")
-        rot_k, rot_v = learned(name) if spec.kind == "learned" else (name, name)
+        k_name, v_name = split_variant(name)
+        if any(cal.RotationSpec.parse(n).kind == "learned" for n in (k_name, v_name)):
+            if learned is None:
+                raise ValueError(f"variant {name!r} needs learned=: a callable that trains it")
+            rot_k, rot_v = learned(k_name, v_name)
+        else:
+            rot_k, rot_v = k_name, v_name
         out[name] = heldout_errors(run, rot_k, rot_v, quant_cfg, clips, grid, softmax_scale, sink=sink,
                                    window=window, center_keys=center_keys)
     return out
@@ -199,6 +208,13 @@ def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
         lam = np.linalg.eigvalsh(c.mean(axis=1))
         return lam[:, -1] / np.median(lam, axis=1)
     return spread(stats.query_cov), spread(stats.value_cov)
+
+
+def _check_pair(rot_k: str, rot_v: str) -> None:
+    """ValueError unless both names parse and learned K and V share the per-head setting."""
+    learned = [s for s in map(cal.RotationSpec.parse, (rot_k, rot_v)) if s.kind == "learned"]
+    if len({s.per_head for s in learned}) > 1:
+        raise ValueError(f"learned K {rot_k!r} and V {rot_v!r} must both be per head (learned/head) or both per layer")
 
 
 def _learn_options(rotation_k: str, rotation_v: str, seq_len: int, sink: int, window: int) -> None:
@@ -246,7 +262,8 @@ def calibrate(
     budget_candidates: str = typer.Option("", help="BITS[:G],... the --target-bpe candidates (default: 2 and 4 "
                                                    "bits at --group-size and at half of it)"),
     budget_context: int = typer.Option(8192, min=1, help="--target-bpe: the sequence length the bits are counted at"),
-    compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print"),
+    compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print: "
+                                              "a rotation name (K and V) or K:V"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
     json_out: Path | None = typer.Option(None, "--json", help="write the timings and --compare errors here"),
 ):
@@ -267,7 +284,7 @@ def calibrate(
             ("--value-weighting", value_weighting, lambda: cal.CalibConfig(value_weighting, sample_tokens)),
             ("--rotation-k", rotation_k, lambda: cal.RotationSpec.parse(rotation_k)),
             ("--rotation-v", rotation_v, lambda: cal.RotationSpec.parse(rotation_v)),
-            ("--compare", compare, lambda: [cal.RotationSpec.parse(n) for n in names]),
+            ("--compare", compare, lambda: [_check_pair(*split_variant(n)) for n in names]),
             ("--group-size", group_size, lambda: QuantConfig(group_size=group_size)),
             *((option, value, lambda f=field, x=value: learn.LearnConfig(**{f: x}))
               for option, (field, value) in learn_args.items())):
@@ -423,7 +440,7 @@ def calibrate(
                       f"{(run.seconds + learn_seconds + fit_s) / forward_s:.2f}x")
     if compare:
         errors = compare_variants(run, names, quant_cfg, clips, grid, decoder.cfg.softmax_scale, sink=sink,
-                                  window=window, center_keys=center_keys, learned=lambda n: learned(n, n))
+                                  window=window, center_keys=center_keys, learned=learned)
         g = quant_cfg.group_size or decoder.cfg.head_dim
         meta_bits = 16 if quant_cfg.scale_dtype == "bfloat16" else 32
         table = Table(title=f"held-aside errors: {quant_cfg.bits + 2 * meta_bits / g:.2f} bits/element in the "

@@ -137,6 +137,7 @@ CALIBRATE = [
     (["--rotation-k", "bogus"], "--rotation-k", [], False),
     (["--rotation-v", "uhp/tail"], "--rotation-v", [], False),
     (["--compare", "uhp,nope"], "--compare", [], False),
+    (["--compare", "uhp,learned:learned/head"], "--compare", ["both be per head"], False),
     (["--target-bpe", "2.5"], "--target-bpe", ["cheapest candidate costs"], False),
     (["--target-bpe", "3", "--budget-candidates", "2:64,3"], "--budget-candidates", ["bits=3"], False),
     (["--target-bpe", "3", "--budget-candidates", "2:128"], "--budget-candidates", ["does not divide"], False),

@@ -221,17 +221,18 @@ def test_calibrate_cli_learns_rotations_end_to_end(tmp_path):
     out = tmp_path / "art"
     args = ["calibrate", "--model", str(model), "--text", str(text), "--tokens", "256", "--heldout-tokens", "128",
             "--seq-len", "64", "--sink", "4", "--window", "8", "--rotation-k", "learned", "--rotation-v", "learned",
-            "--learn-steps", "2", "--learn-rate", "0.01", "--compare", "hadamard,uhp,learned", "--out", str(out),
-            "--time-forward", "--json", str(tmp_path / "calibrate.json")]
+            "--learn-steps", "2", "--learn-rate", "0.01", "--compare", "hadamard,uhp,learned,uhp:learned",
+            "--out", str(out), "--time-forward", "--json", str(tmp_path / "calibrate.json")]
     result = CliRunner().invoke(cli_app, args)
     assert result.exit_code == 0, result.output
     assert "learning K learned, V learned from uhp" in result.output
+    assert "learning K uhp, V learned from uhp" in result.output  # the K:V pair trains its own
     assert all(name in result.output for name in ("hadamard", "uhp", "learned", "window 8"))
     timing, *compared = json.loads((tmp_path / "calibrate.json").read_text())["rows"]
     assert (timing["rotation_k"], timing["tokens"]) == ("learned", 256) and timing["learn_s"] > 0
     assert timing["ratio"] == pytest.approx((timing["calibration_forward_s"] + timing["learn_s"] + timing["fit_s"])
                                             / timing["plain_forward_s"])
-    assert [r["variant"] for r in compared] == ["hadamard", "uhp", "learned"]
+    assert [r["variant"] for r in compared] == ["hadamard", "uhp", "learned", "uhp:learned"]
     assert all(0 < r["served_output_mse"] < 1 and r["heldout_tokens"] == 64 for r in compared)
     decoder, _ = registry.load(str(model))
     params, meta = artifact.load_for_model(out, model_cfg=decoder.cfg)
