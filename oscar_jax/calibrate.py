@@ -537,7 +537,7 @@ class Calibration:
     def layer_params(self, v_folded: bool = False) -> LayerParams:
         """The stacked serving parameters [L, Hkv, D, D] (duals only for non-orthogonal variants)."""
         num_layers, kv_heads = self.rot_k.rot.shape[:2]
-        dual = lambda r: None if r.spec.orthogonal else r.dual
+        dual = lambda r: None if np.array_equal(r.rot, r.dual) else r.dual
         return LayerParams.create(self.rot_k.rot, self.rot_v.rot, self.clip_k, self.clip_v,
                                   num_layers=num_layers, kv_heads=kv_heads, v_folded=v_folded,
                                   dual_k=dual(self.rot_k), dual_v=dual(self.rot_v), k_shift=self.k_shift)

@@ -1,18 +1,20 @@
 """Learned rotations (docs/method.md §1.6): R_K and R_V trained on the served attention output.
 
 Per layer (or per KV head, "learned/head") a rotation R = R0 · cayley(W), with
-cayley(W) = (I - A)^{-1} (I + A) and A = (W - Wᵀ)/2 skew-symmetric: R is orthogonal for
-every W, and W = 0 gives R0, an orthogonal calibrated variant (`LearnConfig.init`, the
-published U·H·P by default). W is trained with optax Adam on batches of calibration
-activations q [L, B, T, Hq, D], k, v [L, B, T, Hkv, D] (post-RoPE, streamed by the caller)
-to minimise, per layer, the relative error of the attention output as the cache serves it,
+cayley(W) = (I - A)^{-1} (I + A) and A = (W - Wᵀ)/2 skew-symmetric: cayley(W) is orthogonal
+for every W, and W = 0 gives R0, a calibrated variant (`LearnConfig.init`, the published
+U·H·P by default). R is orthogonal when R0 is; from the error-shaped "shaped" R0 (not
+orthogonal, dual R0^{-T}) the dual is R0^{-T} · cayley(W), exactly R^{-T}. W is trained
+with optax Adam on batches of calibration activations q [L, B, T, Hq, D], k, v
+[L, B, T, Hkv, D] (post-RoPE, streamed by the caller) to minimise, per layer, the relative
+error of the attention output as the cache serves it,
 
     Σ |o - ô|² / Σ |o|²,   o = softmax(s·q·kᵀ) v,   ô = softmax(s·q·k̂ᵀ) v̂   (causal),
 
 over query positions sampled at >= sink + window. A key or value is exact in the sink
 (position < sink) and the recent window (within `window` positions of the query, the
 query included); else k̂ = Q((k - μ) R_K) R_Kᵀ + μ and v̂ = Q(v R_V) R_Vᵀ (R^{-1} = the
-dual's transpose for an untrained non-orthogonal partner such as "shaped"), with Q the
+dual's transpose for a non-orthogonal one such as "shaped"), with Q the
 cache's quantiser (`oscar_jax.quant` over bf16-stored rotated vectors, at fixed clip
 ratios) and μ the key mean when the keys are centered. The forward values are the
 quantiser's exactly; the gradient is the straight-through estimator plus the step size's
@@ -20,8 +22,8 @@ own dependence on the group's range (as LSQ): dQ(x) = dx + d(step)·r, r the rou
 residual in steps held constant.
 
 Layers train independently (the loss is a sum of per-layer terms and Adam is
-per-parameter). The returned rotations are formed in float64 from R0 and W and rounded
-to float32, orthogonal to float32 precision.
+per-parameter). The returned rotations (and duals) are formed in float64 from R0 (its dual)
+and W and rounded to float32: from an orthogonal R0, orthogonal to float32 precision.
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ from oscar_jax import quant
 from oscar_jax.cache import STORE_DTYPE
 from oscar_jax.config import LLOYD_MAX_SPAN, QuantConfig
 
-INIT_KINDS = tuple(k for k in cal.ROTATION_KINDS if k not in ("shaped", "learned"))  # orthogonal
+INIT_KINDS = tuple(k for k in cal.ROTATION_KINDS if k != "learned")
 _HI = jax.lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
 class LearnConfig:
-    """init: the orthogonal variant (in INIT_KINDS) the rotations start from, per layer or
+    """init: the variant (in INIT_KINDS) the rotations start from, per layer or
     per KV head as the learned spec; epochs: passes over the calibration windows;
     steps_per_batch: Adam steps per streamed batch, each on freshly sampled queries;
     queries: query positions sampled per sequence and step; learning_rate: Adam's;
@@ -61,7 +63,7 @@ class LearnConfig:
 
     def __post_init__(self):
         if self.init not in INIT_KINDS:
-            raise ValueError(f"LearnConfig.init={self.init!r}: expected an orthogonal variant, one of {INIT_KINDS}")
+            raise ValueError(f"LearnConfig.init={self.init!r}: expected one of {INIT_KINDS}")
         for field in ("epochs", "steps_per_batch", "queries"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -174,7 +176,7 @@ class RotationLearner:
     """Trains R_K and/or R_V of every layer from their initial rotations.
 
     init_k, init_v: `calibrate.Rotation` [L, Hkv, D, D]; train: which of "k", "v" to train
-    (each from an orthogonal init; an untrained one stays as given, dual included);
+    (each R0 · cayley(W), dual R0^{-T} · cayley(W); an untrained one stays as given);
     per_head: one W per KV head (else one per layer, shared by its heads); clip_k, clip_v
     [L]: fixed ratios used while training;
     k_shift [L, Hkv, D] or None: the key mean removed before quantising.
@@ -190,10 +192,6 @@ class RotationLearner:
         if init_k.rot.shape != init_v.rot.shape:
             raise ValueError(f"init_k.rot.shape={init_k.rot.shape}, init_v.rot.shape={init_v.rot.shape}: "
                              f"expected equal [L, Hkv, D, D]")
-        for which in train:
-            r = init_k if which == "k" else init_v
-            if not r.spec.orthogonal:
-                raise ValueError(f"init_{which} is {r.spec.name!r}: learning starts from an orthogonal rotation")
         if sink < 0 or window < 1:
             raise ValueError(f"sink={sink}, window={window}: expected sink >= 0 and window >= 1")
         self.init = {"k": init_k, "v": init_v}
@@ -230,8 +228,9 @@ class RotationLearner:
         return np.asarray(losses, np.float64)
 
     def rotations(self) -> tuple[cal.Rotation, cal.Rotation]:
-        """(rot_k, rot_v) [L, Hkv, D, D]: R0 · cayley(W) in float64, rounded to float32; the
-        trained ones named "learned" (per head or per layer), with the init's eigenvalues."""
+        """(rot_k, rot_v) [L, Hkv, D, D]: R0 · cayley(W) and its dual R0^{-T} · cayley(W) in
+        float64, rounded to float32 (one array for an orthogonal R0: dual = rot); the trained
+        ones named "learned" (per head or per layer), with the init's eigenvalues."""
         out = []
         for which in ("k", "v"):
             init = self.init[which]
@@ -241,9 +240,11 @@ class RotationLearner:
             w = np.asarray(self.params[which], np.float64)
             a = 0.5 * (w - np.swapaxes(w, -1, -2))
             eye = np.eye(w.shape[-1])
-            rot = np.einsum("lhde,lhef->lhdf", np.asarray(init.rot, np.float64),
-                            np.linalg.solve(eye - a, eye + a)).astype(np.float32)
-            out.append(cal.Rotation(rot, rot, init.eigenvalues, cal.RotationSpec("learned", self.per_head)))
+            turn = np.linalg.solve(eye - a, eye + a)
+            times = lambda r0: np.einsum("lhde,lhef->lhdf", np.asarray(r0, np.float64), turn).astype(np.float32)
+            rot = times(init.rot)
+            dual = rot if np.array_equal(init.rot, init.dual) else times(init.dual)
+            out.append(cal.Rotation(rot, dual, init.eigenvalues, cal.RotationSpec("learned", self.per_head)))
         return out[0], out[1]
 
 
@@ -254,8 +255,8 @@ def _layer_rotation(w, r0):
 
 def _layer_loss(params, q, k, v, fixed, pos, cfg, sink, window, scale):
     """One layer's relative served attention-output error at query positions pos [B, N]."""
-    rot = lambda w: ((_layer_rotation(params[w], fixed[f"r0_{w}"]),) * 2 if w in params
-                     else (fixed[f"r0_{w}"], fixed[f"d0_{w}"]))
+    rot = lambda w: ((_layer_rotation(params[w], fixed[f"r0_{w}"]), _layer_rotation(params[w], fixed[f"d0_{w}"]))
+                     if w in params else (fixed[f"r0_{w}"], fixed[f"d0_{w}"]))
     k_hat = _served_values(k, *rot("k"), fixed["shift"], cfg, fixed["clip_k"])
     v_hat = _served_values(v, *rot("v"), jnp.zeros_like(fixed["shift"]), cfg, fixed["clip_v"])
     err, ref = _output_sums(q, k, v, k_hat, v_hat, pos, sink, window, scale)
@@ -288,7 +289,8 @@ def learn_rotations(stats: cal.Statistics, batches: Callable[[], Iterable], *,
     used while training are fitted (`calibrate.fit_clips`) for the initial rotations on the
     first batch (fit the final clips on the learned ones with `calibrate.calibrate`); sink,
     window: the bf16 segments the cache is served with; progress(losses [L]) is called after
-    each batch. Returns (rot_k, rot_v) [L, Hkv, D, D], the learned ones orthogonal."""
+    each batch. Returns (rot_k, rot_v) [L, Hkv, D, D] (learned from an orthogonal init:
+    orthogonal)."""
     specs = [cal.RotationSpec.parse(s) if isinstance(s, str) else s for s in (rotation_k, rotation_v)]
     train = tuple(w for w, s in zip("kv", specs) if s.kind == "learned")
     if not train:

@@ -143,6 +143,43 @@ def test_training_lowers_the_held_aside_error_against_its_initial_rotation():
     assert np.all(after < 0.8 * before), (before, after)
 
 
+def test_learning_from_the_error_shaped_rotation():
+    """From "shaped" (not orthogonal): at W = 0 the rotations and duals are the init's bit
+    for bit; after training each dual is its rotation's inverse transpose, the pair serves
+    through LayerParams with its duals, and the held-aside error is below the init's at the
+    same clips in every layer."""
+    rng = np.random.default_rng(5)
+
+    def draw(b):
+        q, k, v, *_ = planted(rng, b=b, t=64)
+        return q, (k + 3.0 * rng.standard_normal(k.shape) ** 3 * (np.arange(D) < 2)).astype(np.float32), v
+
+    train, held = draw(8), draw(4)
+    st = cal.statistics(stream(*train))
+    cfg, sink, window = QuantConfig(group_size=8), 4, 8
+    init = cal.rotation_for(st, "k", "shaped/head", 8), cal.rotation_for(st, "v", "shaped/head", 8)
+    fit = cal.fit_clips(st, *held, *init, cfg, (0.8, 0.9, 1.0))
+    config = learn.LearnConfig(init="shaped", epochs=10, steps_per_batch=1, queries=32, learning_rate=1e-2)
+    learner = learn.RotationLearner(*init, ("k", "v"), per_head=True, clip_k=fit.clip_k, clip_v=fit.clip_v,
+                                    quant_cfg=cfg, sink=sink, window=window, config=config)
+    for r, r0 in zip(learner.rotations(), init):
+        np.testing.assert_array_equal(r.rot, r0.rot)
+        np.testing.assert_array_equal(r.dual, r0.dual)
+    for _ in range(config.epochs):
+        for i in range(0, 8, 2):
+            learner.step(*(x[:, i: i + 2] for x in train))
+    rot_k, rot_v = learner.rotations()
+    for r, r0 in ((rot_k, init[0]), (rot_v, init[1])):
+        gram = np.einsum("lhki,lhkj->lhij", r.dual.astype(np.float64), r.rot.astype(np.float64))
+        assert np.abs(gram - np.eye(D)).max() < 1e-4 and np.abs(r.rot - r0.rot).max() > 1e-3
+    calib = cal.calibrate(st, held, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=cfg, grid=(0.8, 0.9, 1.0))
+    params = calib.layer_params()
+    np.testing.assert_array_equal(np.asarray(params.dual_k), rot_k.dual)
+    error = lambda rk, rv: learn.attention_error(*held, rk, rv, fit.clip_k, fit.clip_v, cfg, sink=sink, window=window)
+    before, after = error(*init), error(rot_k, rot_v)
+    assert np.all(after < before), (before, after)
+
+
 def test_artifact_round_trips_the_learned_variant(tmp_path):
     rng = np.random.default_rng(3)
     q, k, v, *_ = planted(rng, b=1, t=40)
@@ -165,8 +202,8 @@ def test_artifact_round_trips_the_learned_variant(tmp_path):
 
 
 def test_bad_learning_settings_refused():
-    with pytest.raises(ValueError, match="LearnConfig.init='shaped'"):
-        learn.LearnConfig(init="shaped")
+    with pytest.raises(ValueError, match="LearnConfig.init='learned'"):
+        learn.LearnConfig(init="learned")
     with pytest.raises(ValueError, match="LearnConfig.epochs=0"):
         learn.LearnConfig(epochs=0)
     with pytest.raises(ValueError, match="learning_rate"):
@@ -185,9 +222,6 @@ def test_bad_learning_settings_refused():
     with pytest.raises(ValueError, match="yielded no calibration batch"):
         learn.learn_rotations(st, lambda: [], rotation_k="learned", rotation_v="uhp", quant_cfg=QuantConfig(),
                               sink=2, window=4)
-    with pytest.raises(ValueError, match="init_k is 'shaped': learning starts from an orthogonal"):
-        learn.RotationLearner(cal.rotation_for(st, "k", "shaped"), cal.rotation_for(st, "v", "uhp"), ("k",),
-                              per_head=False, clip_k=1.0, clip_v=1.0, quant_cfg=QuantConfig(), sink=2, window=4)
     with pytest.raises(ValueError, match="more than sink \\+ window = 16"):
         learn.attention_error(q, k, v, cal.rotation_for(st, "k", "uhp"), cal.rotation_for(st, "v", "uhp"),
                               np.ones(L), np.ones(L), QuantConfig(), sink=8, window=8)
