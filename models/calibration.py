@@ -4,25 +4,31 @@ The model runs full-precision forwards over consecutive windows of calibration
 text with `capture_qkv`; the post-RoPE (post qk-norm) q, k, v of the
 full-attention layers (the ones the OSCAR cache serves) stream into the
 accumulator. The tokens after the calibration ones are held aside for the clip
-fit and the variant comparison. Adds the `oscar calibrate` command.
+fit and the variant comparison. Learned rotations (`oscar_jax.learn`) take a
+second stream of the same windows, captured again batch by batch. Adds the
+`oscar calibrate` command.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import typer
 
-from oscar_jax import artifact
+from oscar_jax import artifact, budget
 from oscar_jax import calibrate as cal
+from oscar_jax import learn
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import cli, corpus
+from oscar_jax.models import results as results_io
 from oscar_jax.models.cli import app, console
 from oscar_jax.models.decoder import Decoder
 
@@ -104,26 +110,96 @@ def collect(model: Decoder, calib_ids: np.ndarray, heldout_ids: np.ndarray, *, s
     return CalibrationRun(stats, heldout, layers, seconds)
 
 
-def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
-                     clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID, softmax_scale: float | None = None
-                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per rotation variant (used for K and V): held-aside relative attention-logit error
-    (keys quantised) and attention-output error (values quantised), per layer [L] each.
+def capture_batches(model: Decoder, calib_ids: np.ndarray, *, seq_len: int = 1024, batch: int = 1):
+    """A callable giving a fresh stream of (q, k, v) [L, B, T, H, D] over `calib_ids` (int [N]),
+    `batch` windows of `seq_len` at a time (the last batch may be smaller), each captured
+    when asked: the batches `learn.learn_rotations` trains on, one epoch per call."""
+    rows = windows(calib_ids, seq_len)
+    layers = full_layers(model.cfg)
 
-    The held-aside windows are split in two: clips are fitted on the first half
-    (clips="fit") and the errors are measured on the second."""
+    def stream():
+        for i in range(0, len(rows), batch):
+            yield _capture(model, jnp.asarray(rows[i: i + batch]), layers)
+
+    return stream
+
+
+def _halves(run: CalibrationRun):
+    """The held-aside windows split in two: (fit part, measured part), (q, k, v) each."""
     b = run.heldout[0].shape[1]
     if b < 2:
-        raise ValueError(f"compare_variants needs >= 2 held-aside windows, got {b}")
-    fit_part = tuple(x[:, : b // 2] for x in run.heldout)
-    q_eval, k_eval, v_eval = (x[:, b // 2:] for x in run.heldout)
+        raise ValueError(f"held-aside errors need >= 2 held-aside windows (fit on one half, measure on the other), "
+                         f"got {b}")
+    return tuple(x[:, : b // 2] for x in run.heldout), tuple(x[:, b // 2:] for x in run.heldout)
+
+
+def heldout_errors(run: CalibrationRun, rot_k, rot_v, quant_cfg: QuantConfig, clips: cal.ClipMode = "fit",
+                   grid=cal.CLIP_GRID, softmax_scale: float | None = None, *, sink: int, window: int,
+                   center_keys: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Held-aside relative attention-logit error (keys quantised), attention-output error
+    (values quantised, keys exact) and served attention-output error (keys and values
+    quantised, sink and window exact: `learn.attention_error`), per layer [L] each, of one
+    calibration (rot_k, rot_v: names or `calibrate.Rotation`s; quant_cfg: its quantiser).
+    Clips are fitted (clips="fit") on the first half of the held-aside windows and the errors
+    measured on the second; center_keys: as the calibration (the key errors are then those
+    of the centered keys)."""
+    fit_part, (q_eval, k_eval, v_eval) = _halves(run)
+    c = cal.calibrate(run.stats, fit_part, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
+                      clips=clips, grid=grid, softmax_scale=softmax_scale, center_keys=center_keys)
+    k_c = k_eval if c.k_shift is None else k_eval - c.k_shift[:, None, None]
+    served = learn.attention_error(q_eval, k_eval, v_eval, c.rot_k, c.rot_v, c.clip_k, c.clip_v, quant_cfg,
+                                   sink=sink, window=window, k_shift=c.k_shift, softmax_scale=softmax_scale)
+    return (cal.logit_error(q_eval, k_c, c.rot_k, c.clip_k, quant_cfg),
+            cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale), served)
+
+
+def split_variant(name: str) -> tuple[str, str]:
+    """'K:V' -> (K, V); a single name -> (name, name)."""
+    k_name, _, v_name = name.partition(":")
+    return k_name, v_name or k_name
+
+
+def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
+                     clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID, softmax_scale: float | None = None, *,
+                     sink: int, window: int, center_keys: bool = False,
+                     learned: Callable[[str, str], tuple[cal.Rotation, cal.Rotation]] | None = None
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """`heldout_errors` per rotation variant: a name (used for K and V) or 'K:V' (each its
+    own); learned(k_name, v_name) gives the (rot_k, rot_v) of a pair with a "learned" one."""
+    _halves(run)
     out = {}
     for name in names:
-        c = cal.calibrate(run.stats, fit_part, rotation_k=name, rotation_v=name,
-                          quant_cfg=quant_cfg, clips=clips, grid=grid, softmax_scale=softmax_scale)
-        out[name] = (cal.logit_error(q_eval, k_eval, c.rot_k, c.clip_k, quant_cfg),
-                     cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale))
+        k_name, v_name = split_variant(name)
+        if any(cal.RotationSpec.parse(n).kind == "learned" for n in (k_name, v_name)):
+            if learned is None:
+                raise ValueError(f"variant {name!r} needs learned=: a callable that trains it")
+            rot_k, rot_v = learned(k_name, v_name)
+        else:
+            rot_k, rot_v = k_name, v_name
+        out[name] = heldout_errors(run, rot_k, rot_v, quant_cfg, clips, grid, softmax_scale, sink=sink,
+                                   window=window, center_keys=center_keys)
     return out
+
+
+def budget_calibration(run: CalibrationRun, rot_k, rot_v, candidates: tuple[QuantConfig, ...], target: float,
+                       context: int, clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID,
+                       softmax_scale: float | None = None, *, sink: int, window: int, center_keys: bool = False
+                       ) -> tuple[cal.Calibration, np.ndarray, np.ndarray, np.ndarray]:
+    """A bit budget: each candidate quantiser's held-aside served attention-output error per
+    layer (`heldout_errors`), one candidate per layer by `budget.allocate` within `target`
+    bits/element at `context` tokens (sink and window in bf16; the layers weigh equally,
+    each holding Hkv·D channels), the chosen candidates' calibrations (clips fitted on all
+    held-aside windows) joined by `budget.select`. Returns (calibration, errors [L, C],
+    bits [C], picked [L])."""
+    head_dim = run.stats.query_cov.shape[-1]
+    bits = budget.candidate_bits(candidates, head_dim=head_dim, sink=sink, window=window, context=context)
+    errors = np.stack([heldout_errors(run, rot_k, rot_v, q, clips, grid, softmax_scale, sink=sink, window=window,
+                                      center_keys=center_keys)[2] for q in candidates], axis=1)
+    picked = budget.allocate(errors, np.broadcast_to(bits, errors.shape), target)
+    calibrations = [cal.calibrate(run.stats, run.heldout, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=q,
+                                  clips=clips, grid=grid, softmax_scale=softmax_scale, center_keys=center_keys)
+                    for q in candidates]
+    return budget.select(calibrations, picked), errors, bits, picked
 
 
 def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
@@ -132,6 +208,25 @@ def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
         lam = np.linalg.eigvalsh(c.mean(axis=1))
         return lam[:, -1] / np.median(lam, axis=1)
     return spread(stats.query_cov), spread(stats.value_cov)
+
+
+def _check_pair(rot_k: str, rot_v: str) -> None:
+    """ValueError unless both names parse and learned K and V share the per-head setting."""
+    learned = [s for s in map(cal.RotationSpec.parse, (rot_k, rot_v)) if s.kind == "learned"]
+    if len({s.per_head for s in learned}) > 1:
+        raise ValueError(f"learned K {rot_k!r} and V {rot_v!r} must both be per head (learned/head) or both per layer")
+
+
+def _learn_options(rotation_k: str, rotation_v: str, seq_len: int, sink: int, window: int) -> None:
+    """`cli.fail` on learned-rotation settings that cannot train: learned K and V of different
+    per-head settings, or windows with no quantised token (--seq-len <= --sink + --window)."""
+    learned = [s for s in map(cal.RotationSpec.parse, (rotation_k, rotation_v)) if s.kind == "learned"]
+    if len({s.per_head for s in learned}) > 1:
+        cli.fail(f"--rotation-k {rotation_k!r} --rotation-v {rotation_v!r}: learned K and V must both be "
+                 f"per head (learned/head) or both per layer")
+    if learned and seq_len <= sink + window:
+        cli.fail(f"--seq-len {seq_len}: learned rotations train on windows longer than --sink + --window = "
+                 f"{sink + window} (their quantised tokens)")
 
 
 @app.command()
@@ -153,28 +248,54 @@ def calibrate(
     center_keys: bool = typer.Option(False, help="remove the calibration keys' mean before quantising "
                                                  "(softmax-exact; not in the published recipe)"),
     sample_tokens: int = typer.Option(4096, min=1, help="bounded sample for the published value weights"),
-    compare: str = typer.Option("", help="comma-separated variants whose held-aside logit error to print"),
+    learn_init: str = typer.Option("uhp", help=f"learned rotations start from this variant, one of {learn.INIT_KINDS}"),
+    learn_epochs: int = typer.Option(1, help="learned rotations: passes over the calibration windows"),
+    learn_steps: int = typer.Option(4, help="learned rotations: Adam steps per batch of windows"),
+    learn_batch: int = typer.Option(1, help="learned rotations: windows per batch"),
+    learn_tokens: int | None = typer.Option(None, help="learned rotations: train on the first N calibration "
+                                                       "tokens (default: all --tokens)"),
+    learn_queries: int = typer.Option(128, help="learned rotations: queries sampled per window and step"),
+    learn_rate: float = typer.Option(1e-3, help="learned rotations: Adam learning rate"),
+    target_bpe: float | None = typer.Option(None, help="a bit budget: each layer's quantiser chosen among "
+                                                       "--budget-candidates (least summed held-aside served "
+                                                       "error) within these bits/element at --budget-context"),
+    budget_candidates: str = typer.Option("", help="BITS[:G],... the --target-bpe candidates (default: 2 and 4 "
+                                                   "bits at --group-size and at half of it)"),
+    budget_context: int = typer.Option(8192, min=1, help="--target-bpe: the sequence length the bits are counted at"),
+    compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print: "
+                                              "a rotation name (K and V) or K:V"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the timings and --compare errors here"),
 ):
     """Calibrate OSCAR rotations and clip ratios for a model and write the artifact.
     Every argument and the output path are checked before the first forward."""
-    from rich.progress import Progress
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     cli.check_writable(out, "--out", directory=True)
+    cli.check_writable(json_out, "--json")
     if clips not in ("fit", "fixed"):
         cli.fail(f"--clips {clips!r}: expected 'fit' or 'fixed'")
+    names = tuple(n.strip() for n in compare.split(",")) if compare else ()
+    learn_args = {"--learn-init": ("init", learn_init), "--learn-epochs": ("epochs", learn_epochs),
+                  "--learn-steps": ("steps_per_batch", learn_steps), "--learn-queries": ("queries", learn_queries),
+                  "--learn-rate": ("learning_rate", learn_rate)}
     for option, value, check in (
             ("--value-weighting", value_weighting, lambda: cal.CalibConfig(value_weighting, sample_tokens)),
             ("--rotation-k", rotation_k, lambda: cal.RotationSpec.parse(rotation_k)),
             ("--rotation-v", rotation_v, lambda: cal.RotationSpec.parse(rotation_v)),
-            ("--compare", compare,
-             lambda: [cal.RotationSpec.parse(n.strip()) for n in compare.split(",")] if compare else []),
-            ("--group-size", group_size, lambda: QuantConfig(group_size=group_size))):
+            ("--compare", compare, lambda: [_check_pair(*split_variant(n)) for n in names]),
+            ("--group-size", group_size, lambda: QuantConfig(group_size=group_size)),
+            *((option, value, lambda f=field, x=value: learn.LearnConfig(**{f: x}))
+              for option, (field, value) in learn_args.items())):
         try:
             check()
         except ValueError as e:
             cli.fail(f"{option} {value!r}: {e}")
+    if learn_batch < 1:
+        cli.fail(f"--learn-batch {learn_batch}: expected an int >= 1")
+    learn_cfg = learn.LearnConfig(**dict(learn_args.values()))
+    _learn_options(rotation_k, rotation_v, seq_len, sink, window)
     quant_cfg = QuantConfig(group_size=group_size)
     calib_cfg = cal.CalibConfig(value_weighting, sample_tokens)
     cfg = cli.model_config(model)
@@ -185,10 +306,30 @@ def calibrate(
     cli.check_context(cfg, seq_len, "a forward window (--seq-len)")
     if tokens < seq_len:
         cli.fail(f"--tokens {tokens} is less than one --seq-len {seq_len} window")
-    held_windows = 2 if compare else 1
+    learn_tokens = tokens if learn_tokens is None else learn_tokens
+    if not seq_len <= learn_tokens <= tokens:
+        cli.fail(f"--learn-tokens {learn_tokens}: expected one --seq-len {seq_len} window to --tokens {tokens}")
+    candidates = ()
+    if target_bpe is not None:
+        g = group_size or cfg.head_dim
+        listed = budget_candidates or ",".join(f"{b}:{x}" for b in (2, 4) for x in dict.fromkeys((g, max(g // 2, 1))))
+        try:
+            candidates = budget.parse_candidates(listed, cfg.head_dim)
+        except ValueError as e:
+            cli.fail(f"--budget-candidates {listed!r}: {e}")
+        bits = budget.candidate_bits(candidates, head_dim=cfg.head_dim, sink=sink, window=window,
+                                     context=budget_context)
+        if bits.min() > target_bpe:
+            cli.fail(f"--target-bpe {target_bpe}: the cheapest candidate costs {bits.min():.3f} bits/element at "
+                     f"--budget-context {budget_context} with --sink {sink} --window {window}")
+    measures = " and ".join(o for o, on in (("--compare", compare), ("--target-bpe", target_bpe is not None)) if on)
+    held_windows = 2 if measures else 1
     if heldout_tokens < held_windows * seq_len:
         cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
-                 f"window(s){' (--compare fits on one, measures on another)' if compare else ''}")
+                 f"window(s){f' ({measures} fits on one, measures on another)' if measures else ''}")
+    if measures and seq_len <= sink + window:
+        cli.fail(f"--seq-len {seq_len}: {measures} measures the served error on windows longer than "
+                 f"--sink + --window = {sink + window}")
     try:
         source = calibration_text(text)
     except (ValueError, OSError) as e:
@@ -204,10 +345,43 @@ def calibrate(
         task = bar.add_task("calibration forwards", total=tokens)
         run = collect(decoder, ids[:tokens], ids[tokens:], seq_len=seq_len, config=calib_cfg,
                       progress=lambda n: bar.advance(task, n))
-    t0 = time.perf_counter()
     grid = tuple(np.round(np.arange(clip_min, 1.0 + 1e-9, 0.01), 2))
-    result = cal.calibrate(run.stats, run.heldout, rotation_k=rotation_k, rotation_v=rotation_v,
-                           quant_cfg=quant_cfg, clips=clips, grid=grid, center_keys=center_keys)
+    learned_cache: dict[tuple[str, str], tuple[cal.Rotation, cal.Rotation]] = {}
+    learn_seconds = 0.0
+
+    def learned(rot_k: str, rot_v: str) -> tuple[cal.Rotation, cal.Rotation]:
+        """Train (once) the learned ones of (rot_k, rot_v), with a progress bar."""
+        nonlocal learn_seconds
+        if (rot_k, rot_v) not in learned_cache:
+            t0 = time.perf_counter()
+            batches = capture_batches(decoder, ids[:learn_tokens], seq_len=seq_len, batch=learn_batch)
+            n_batches = -(-(learn_tokens // seq_len) // learn_batch)
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("served output error {task.fields[loss]}"), TimeElapsedColumn())
+            with Progress(*columns, console=console) as bar:
+                task = bar.add_task(f"learning K {rot_k}, V {rot_v} from {learn_cfg.init}",
+                                    total=learn_cfg.epochs * n_batches, loss="-")
+                learned_cache[rot_k, rot_v] = learn.learn_rotations(
+                    run.stats, batches, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
+                    sink=sink, window=window, config=learn_cfg, center_keys=center_keys, grid=grid,
+                    softmax_scale=decoder.cfg.softmax_scale,
+                    progress=lambda losses: bar.update(task, advance=1, loss=f"{losses.mean():.4f}"))
+            learn_seconds += time.perf_counter() - t0
+        return learned_cache[rot_k, rot_v]
+
+    is_learned = lambda name: cal.RotationSpec.parse(name).kind == "learned"
+    rotations = learned(rotation_k, rotation_v) if is_learned(rotation_k) or is_learned(rotation_v) else (
+        rotation_k, rotation_v)
+    t0 = time.perf_counter()
+    scale = decoder.cfg.softmax_scale
+    if target_bpe is None:
+        result = cal.calibrate(run.stats, run.heldout, rotation_k=rotations[0], rotation_v=rotations[1],
+                               quant_cfg=quant_cfg, clips=clips, grid=grid, softmax_scale=scale,
+                               center_keys=center_keys)
+    else:
+        result, budget_errors, budget_bits, picked = budget_calibration(
+            run, *rotations, candidates, target_bpe, budget_context, clips, grid, scale, sink=sink, window=window,
+            center_keys=center_keys)
     fit_s = time.perf_counter() - t0
     try:
         meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
@@ -218,37 +392,69 @@ def calibrate(
     spread_k, spread_v = eigen_spread(run.stats)
     table = Table(title=f"oscar calibrate {model}: {run.stats.tokens} tokens, {meta.rotation_k}/"
                         f"{meta.rotation_v}, {value_weighting}, clips {clips}")
-    for col in ("layer", "λmax/λmed C_K", "λmax/λmed C_V", "clip K", "clip V"):
+    quant_name = lambda q: f"{q.bits}-bit G={q.group_size or cfg.head_dim}"
+    budget_cols = () if target_bpe is None else ("quantiser", *(f"error {quant_name(q)}" for q in candidates))
+    for col in ("layer", "λmax/λmed C_K", "λmax/λmed C_V", "clip K", "clip V", *budget_cols):
         table.add_column(col, justify="right")
     for i, layer in enumerate(run.layers):
+        budget_cells = () if target_bpe is None else (
+            quant_name(result.layer_quant[i]), *(f"{e:.4f}" for e in budget_errors[i]))
         table.add_row(str(layer), f"{spread_k[i]:.1f}", f"{spread_v[i]:.1f}",
-                      f"{result.clip_k[i]:.2f}", f"{result.clip_v[i]:.2f}")
+                      f"{result.clip_k[i]:.2f}", f"{result.clip_v[i]:.2f}", *budget_cells)
     console.print(table)
+    if target_bpe is not None:
+        spent = float(budget_bits[picked].mean())
+        console.print(f"bit budget: {spent:.3f} bits/element at {budget_context} tokens (target {target_bpe}); "
+                      f"summed held-aside served error {budget_errors[np.arange(len(picked)), picked].sum():.4f} "
+                      f"(uniform: " + ", ".join(f"{quant_name(q)} {budget_errors[:, c].sum():.4f} at "
+                                                f"{budget_bits[c]:.3f}" for c, q in enumerate(candidates)) + ")")
     at_edge = int(np.sum(result.clip_k <= grid[0]) + np.sum(result.clip_v <= grid[0])) if clips == "fit" else 0
     if at_edge:
         console.print(f"[yellow]{at_edge} of {2 * len(run.layers)} fitted ratios sit at the grid's lowest "
                       f"value {grid[0]}: the fit's optimum may lie below it (--clip-min; a lower floor helps "
                       f"some recipes and hurts others on held-out text: README)[/yellow]")
-    console.print(f"calibration wall time: {run.seconds:.1f} s (forwards + statistics), "
+    learned_note = f", {learn_seconds:.1f} s (learning rotations)" if learn_seconds else ""
+    console.print(f"calibration wall time: {run.seconds:.1f} s (forwards + statistics){learned_note}, "
                   f"{fit_s:.1f} s (rotations + clip fit); artifact: {out}")
+    setting = {"model": model, "tokens": run.stats.tokens, "seq_len": seq_len, "group_size": meta.group_size,
+               "center_keys": center_keys, "sink": sink, "window": window}
+    timing = {**setting, "rotation_k": meta.rotation_k, "rotation_v": meta.rotation_v,
+              "calibration_forward_s": run.seconds, "learn_s": learn_seconds, "fit_s": fit_s}
+    rows = [timing]
+    if target_bpe is not None:
+        rows.append({**setting, "variant": "budget", "target_bpe": target_bpe, "context": budget_context,
+                     "bpe": float(budget_bits[picked].mean()),
+                     "candidates": [dataclasses.asdict(q) for q in candidates],
+                     "candidate_bpe": budget_bits.tolist(), "layer_errors": budget_errors.tolist(),
+                     "picked": picked.tolist()})
     if time_forward:
-        rows = windows(ids[:tokens], seq_len)
-        jax.block_until_ready(_forward(decoder, jnp.asarray(rows[:1])))  # compile
+        calib_rows = windows(ids[:tokens], seq_len)
+        jax.block_until_ready(_forward(decoder, jnp.asarray(calib_rows[:1])))  # compile
         t0 = time.perf_counter()
-        for row in rows:
+        for row in calib_rows:
             jax.block_until_ready(_forward(decoder, jnp.asarray(row[None])))
-        console.print(f"plain forward over the same {len(rows) * seq_len} tokens: "
-                      f"{time.perf_counter() - t0:.1f} s ({jax.devices()[0].device_kind}, jax {jax.__version__})")
+        forward_s = time.perf_counter() - t0
+        timing.update(plain_forward_s=forward_s, ratio=(run.seconds + learn_seconds + fit_s) / forward_s)
+        console.print(f"plain forward over the same {len(calib_rows) * seq_len} tokens: {forward_s:.1f} s "
+                      f"({jax.devices()[0].device_kind}, jax {jax.__version__}); calibration / forward = "
+                      f"{(run.seconds + learn_seconds + fit_s) / forward_s:.2f}x")
     if compare:
-        errors = compare_variants(run, tuple(n.strip() for n in compare.split(",")), quant_cfg, clips,
-                                  grid, decoder.cfg.softmax_scale)
+        errors = compare_variants(run, names, quant_cfg, clips, grid, decoder.cfg.softmax_scale, sink=sink,
+                                  window=window, center_keys=center_keys, learned=learned)
         g = quant_cfg.group_size or decoder.cfg.head_dim
         meta_bits = 16 if quant_cfg.scale_dtype == "bfloat16" else 32
-        table = Table(title=f"held-aside errors, every K (V) quantised: "
-                            f"{quant_cfg.bits + 2 * meta_bits / g:.2f} bits/element (G={g}), clips {clips}")
+        table = Table(title=f"held-aside errors: {quant_cfg.bits + 2 * meta_bits / g:.2f} bits/element in the "
+                            f"history (G={g}), clips {clips}{', centered keys' if center_keys else ''}")
         table.add_column("variant")
-        table.add_column("rel. logit MSE (K)", justify="right")
-        table.add_column("rel. output MSE (V)", justify="right")
-        for name, (err_k, err_v) in errors.items():
-            table.add_row(name, f"{err_k.mean():.4f}", f"{err_v.mean():.4f}")
+        table.add_column("rel. logit MSE (K quantised)", justify="right")
+        table.add_column("rel. output MSE (V quantised)", justify="right")
+        table.add_column(f"rel. output MSE (K, V served: sink {sink}, window {window})", justify="right")
+        measured = run.heldout[1].shape[1] - run.heldout[1].shape[1] // 2  # windows (compare_variants)
+        for name, errs in errors.items():
+            table.add_row(name, *(f"{e.mean():.4f}" for e in errs))
+            rows.append({**setting, "variant": name, "heldout_tokens": measured * seq_len,
+                         "logit_mse_k": float(errs[0].mean()), "output_mse_v": float(errs[1].mean()),
+                         "served_output_mse": float(errs[2].mean())})
         console.print(table)
+    if json_out:
+        results_io.write(json_out, results_io.record(rows, "oscar " + " ".join(sys.argv[1:])))

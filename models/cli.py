@@ -143,14 +143,17 @@ def load_calibration(directory: Path, model_cfg, implementation: str = "auto"):
     """The calibrated OSCAR policy (`kv_policy.QuantPolicy`) of an artifact directory
     (`oscar_jax.artifact`): its rotations and clips for the model's full-attention
     layers, served with the quantiser (group size, codebook) and the bf16 sink/window
-    it was calibrated for."""
+    it was calibrated for (one per layer when the artifact spends a bit budget)."""
+    import dataclasses
+
     from oscar_jax import artifact
     from oscar_jax.config import QuantConfig
     from oscar_jax.models import kv_policy
 
     params, meta = artifact.load_for_model(directory, model_cfg=model_cfg)
-    return kv_policy.oscar_policy(params, quant=QuantConfig(**meta.quant), sink=meta.sink, window=meta.window,
-                                  implementation=implementation)
+    policy = kv_policy.oscar_policy(params, quant=QuantConfig(**meta.quant), sink=meta.sink, window=meta.window,
+                                    implementation=implementation)
+    return dataclasses.replace(policy, layer_quant=meta.layer_quants())
 
 
 def kv_policy_for(kv: str, rotations: Path | None, cfg, implementation: str):

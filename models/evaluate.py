@@ -55,6 +55,17 @@ SCHEMES = {
 }
 
 
+def _quant_name(md) -> str:
+    """The artifact's quantiser: 'G=64', or per layer 'per layer: 2-bit G=64 x20, 4-bit G=64 x10'."""
+    if md.layer_quant is None:
+        return f"G={md.group_size}"
+    counts = {}
+    for q in md.layer_quants():
+        name = f"{q.bits}-bit G={q.group_size or md.head_dim}"
+        counts[name] = counts.get(name, 0) + 1
+    return "per layer: " + ", ".join(f"{n} x{c}" for n, c in counts.items())
+
+
 def scheme_policy(name: str, served: kv_policy.QuantPolicy | None = None, implementation: str = "auto"):
     """The KV policy of an evaluation scheme. `served`: the calibrated OSCAR policy
     (`kv_policy.oscar_policy` with the artifact's rotations, clips, quantiser and
@@ -87,6 +98,9 @@ def scheme_policy(name: str, served: kv_policy.QuantPolicy | None = None, implem
         params = oc.LayerParams.create(rot, rot, params.clip_k, params.clip_v,
                                        num_layers=params.rot_k.shape[0], kv_heads=params.rot_k.shape[1],
                                        k_shift=params.k_shift)
+    if name == "oscar-lloyd" and served.layer_quant is not None:
+        raise ValueError("kv scheme 'oscar-lloyd': the artifact has a quantiser per layer (a bit budget); "
+                         "the Lloyd-Max codebook is for a uniform 2-bit cache")
     codebook = "lloyd_max" if name == "oscar-lloyd" else served.quant.codebook
     return dataclasses.replace(served, name=name, quant=dataclasses.replace(served.quant, codebook=codebook),
                                layer_params=params, implementation=implementation)
@@ -324,7 +338,7 @@ def eval_command(
     if calibrated:
         if rotations:
             source["calibration"] = (f"artifact {rotations}: {md.tokens} tokens (corpus hash {md.corpus_hash[:12]}, "
-                                     f"{md.rotation_k}/{md.rotation_v}, G={md.group_size}, sink {md.sink}, "
+                                     f"{md.rotation_k}/{md.rotation_v}, {_quant_name(md)}, sink {md.sink}, "
                                      f"{'centered keys, ' if md.center_keys else ''}"
                                      f"window {md.window}) of "
                                      + source["calibration"])

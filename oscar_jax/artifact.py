@@ -10,6 +10,7 @@ partial artifact, and at most one of several concurrent writers succeeds. `read_
 validates every field; `load` also checks format version, model name, config hash and head
 dim against the caller's model, and the checksum against the arrays and metadata, and
 refuses any mismatch or a truncated/corrupted directory with a `ValueError` that says why.
+Format 3 adds `layer_quant` (one quantiser per layer, a bit budget); format 2 still reads.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from oscar_jax.cache import LayerParams
 from oscar_jax.calibrate import Calibration
 from oscar_jax.config import QuantConfig
 
-FORMAT_VERSION = 2  # 2: the checksum covers the metadata too
+FORMAT_VERSION = 3  # 2: the checksum covers the metadata too; 3: layer_quant
+READ_VERSIONS = (2, 3)  # a version-2 artifact reads as layer_quant None
+_ADDED_IN = {"layer_quant": 3}  # metadata fields a version before this lacks
 _ARRAY_NAMES = ("rot_k", "rot_v", "dual_k", "dual_v", "eigenvalues_k", "eigenvalues_v",
                 "clip_k", "clip_v")
 
@@ -66,7 +69,8 @@ class ArtifactMetadata:
     the calibration text; checksum: SHA-256 of the arrays and every other field;
     created: ISO-8601 UTC; sink, window: the bf16 segments of the cache the artifact
     is served with; center_keys: the arrays include k_shift [L, Hkv, D], the key mean
-    removed before quantising.
+    removed before quantising; layer_quant: None (every layer `quant`), or QuantConfig fields
+    per layer (a bit budget, `oscar_jax.budget`), each layer's clips fitted for its own.
     """
 
     format_version: int
@@ -88,10 +92,20 @@ class ArtifactMetadata:
     sink: int
     window: int
     center_keys: bool
+    layer_quant: tuple[dict, ...] | None = None
 
     @property
     def group_size(self) -> int:
         return self.quant.get("group_size") or self.head_dim
+
+    def layer_quants(self) -> tuple[QuantConfig, ...] | None:
+        """The per-layer quantisers, or None when every layer has `quant`."""
+        return None if self.layer_quant is None else tuple(QuantConfig(**q) for q in self.layer_quant)
+
+
+def _stored_fields(meta: ArtifactMetadata) -> dict:
+    """The metadata fields its format version stores (the checksum covers these)."""
+    return {k: v for k, v in dataclasses.asdict(meta).items() if meta.format_version >= _ADDED_IN.get(k, 0)}
 
 
 def _arrays(calibration: Calibration) -> dict[str, np.ndarray]:
@@ -125,7 +139,8 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 def validate_metadata(raw: dict) -> ArtifactMetadata:
     """The `ArtifactMetadata` of a JSON dict, every field checked for type and range
     (ValueError naming the first bad field)."""
-    names = [f.name for f in dataclasses.fields(ArtifactMetadata)]
+    names = [f.name for f in dataclasses.fields(ArtifactMetadata)
+             if not isinstance(raw.get("format_version"), int) or raw["format_version"] >= _ADDED_IN.get(f.name, 0)]
     missing, unknown = [n for n in names if n not in raw], sorted(set(raw) - set(names))
     if missing or unknown:
         raise ValueError(f"metadata fields missing: {missing}, unknown: {unknown}")
@@ -156,6 +171,17 @@ def validate_metadata(raw: dict) -> ArtifactMetadata:
         QuantConfig(**raw["quant"]).groups(raw["head_dim"])
     except (TypeError, ValueError) as e:
         raise bad("quant", f"QuantConfig fields for head_dim={raw['head_dim']} ({e})") from None
+    layer_quant = raw.get("layer_quant")
+    if layer_quant is not None:
+        expected = f"null or num_layers={raw['num_layers']} dicts of QuantConfig fields for head_dim={raw['head_dim']}"
+        if not isinstance(layer_quant, (list, tuple)) or len(layer_quant) != raw["num_layers"]:
+            raise bad("layer_quant", expected)
+        try:
+            for q in layer_quant:
+                QuantConfig(**q).groups(raw["head_dim"])
+        except (TypeError, ValueError) as e:
+            raise bad("layer_quant", f"{expected} ({e})") from None
+        layer_quant = tuple(dict(q) for q in layer_quant)
     for field in ("rotation_k", "rotation_v"):
         try:
             cal.RotationSpec.parse(raw[field])
@@ -169,7 +195,7 @@ def validate_metadata(raw: dict) -> ArtifactMetadata:
         datetime.datetime.fromisoformat(raw["created"])
     except ValueError:
         raise bad("created", "an ISO-8601 time") from None
-    return ArtifactMetadata(**{**raw, "layers": tuple(layers)})
+    return ArtifactMetadata(**{**raw, "layers": tuple(layers), "layer_quant": layer_quant})
 
 
 def save(path: str | Path, calibration: Calibration, *, model_name: str, config_hash: str,
@@ -192,6 +218,8 @@ def save(path: str | Path, calibration: Calibration, *, model_name: str, config_
         rotation_v=calibration.rot_v.spec.name, value_weighting=calibration.value_weighting,
         clip_mode=calibration.clip_mode, corpus_hash=corpus_hash, tokens=int(calibration.tokens),
         sink=operator.index(sink), window=operator.index(window), center_keys=calibration.k_shift is not None,
+        layer_quant=None if calibration.layer_quant is None else [
+            dataclasses.asdict(q) for q in calibration.layer_quant],
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     raw["checksum"] = _checksum(arrays, raw)
     meta = validate_metadata(raw)
@@ -227,9 +255,9 @@ def read_metadata(path: str | Path) -> ArtifactMetadata:
                          f"its metadata cannot be read ({type(e).__name__}: {e})") from e
     if not isinstance(raw, dict):
         raise ValueError(f"calibration artifact {str(path)!r} is corrupted: its metadata is not a JSON object")
-    if raw.get("format_version") != FORMAT_VERSION:
+    if raw.get("format_version") not in READ_VERSIONS:
         raise ValueError(f"calibration artifact {str(path)!r} has format_version="
-                         f"{raw.get('format_version')!r}; this oscar-jax reads {FORMAT_VERSION}: "
+                         f"{raw.get('format_version')!r}; this oscar-jax reads {READ_VERSIONS}: "
                          f"recalibrate with `oscar calibrate`")
     try:
         return validate_metadata(raw)
@@ -265,7 +293,7 @@ def load(path: str | Path, *, model_name: str | None, config_hash: str, head_dim
     except Exception as e:
         raise ValueError(f"calibration artifact {str(path)!r} is truncated or corrupted: its "
                          f"arrays cannot be read ({type(e).__name__}: {e})") from e
-    if _checksum(arrays, dataclasses.asdict(meta)) != meta.checksum:
+    if _checksum(arrays, _stored_fields(meta)) != meta.checksum:
         raise ValueError(f"calibration artifact {str(path)!r} is corrupted: its arrays and metadata "
                          f"do not match the checksum recorded at save time")
     n, h, d = meta.num_layers, meta.kv_heads, meta.head_dim

@@ -33,8 +33,9 @@ from oscar_jax.config import QuantConfig
 ValueWeighting = Literal["published", "attention_mass"]
 VALUE_WEIGHTINGS = ("published", "attention_mass")
 # identity / hadamard (H_D) / u / uh / uhp (published U.H.P_br) / uphg (U.P_br.blockdiag(H_G))
-# / shaped (U.S.P_br.blockdiag(H_G), error shaping).
-ROTATION_KINDS = ("identity", "hadamard", "u", "uh", "uhp", "uphg", "shaped")
+# / shaped (U.S.P_br.blockdiag(H_G), error shaping) / learned (trained on the attention output:
+# `oscar_jax.learn`, not built from statistics alone).
+ROTATION_KINDS = ("identity", "hadamard", "u", "uh", "uhp", "uphg", "shaped", "learned")
 CLIP_GRID = tuple(round(0.70 + 0.01 * i, 2) for i in range(31))  # 0.70 .. 1.00
 FIXED_CLIPS = {"k": 0.96, "v": 0.92}  # the public reference's ratios
 _HI = jax.lax.Precision.HIGHEST
@@ -232,7 +233,8 @@ class RotationSpec:
     """A rotation variant: `kind` in ROTATION_KINDS, one per layer or per KV head.
 
     Spelled "kind" or "kind/head" (e.g. "uhp", "shaped/head"). "uphg" and
-    "shaped" mix with blockdiag(H_G), G the quantiser's group size.
+    "shaped" mix with blockdiag(H_G), G the quantiser's group size. "learned" is made
+    by `oscar_jax.learn.learn_rotations`, not by `rotation_for`.
     """
 
     kind: str
@@ -332,7 +334,8 @@ def rotation_matrix(kind: str, basis_cov: np.ndarray, source_cov: np.ndarray, gr
         return (((u * s)[:, perm] @ hg).astype(np.float32),
                 ((u / s)[:, perm] @ hg).astype(np.float32), lam.astype(np.float32))
     else:
-        raise ValueError(f"kind={kind!r}: expected one of {ROTATION_KINDS}")
+        raise ValueError(f"kind={kind!r}: expected one of {ROTATION_KINDS} but 'learned' "
+                         f"(made by oscar_jax.learn.learn_rotations)")
     rot = rot.astype(np.float32)
     return rot, rot, lam.astype(np.float32)
 
@@ -346,6 +349,9 @@ def rotation_for(stats: Statistics, which: Literal["k", "v"], spec: RotationSpec
     spec = RotationSpec.parse(spec) if isinstance(spec, str) else spec
     if which not in ("k", "v"):
         raise ValueError(f"which={which!r}: expected 'k' or 'v'")
+    if spec.kind == "learned":
+        raise ValueError(f"rotation {spec.name!r} is trained on activations, not built from statistics: "
+                         f"use oscar_jax.learn.learn_rotations and pass its Rotation to calibrate")
     if which == "k":
         basis, source = stats.query_cov, stats.key_cov
     else:
@@ -512,7 +518,9 @@ class Calibration:
     """One model's calibration: key/value rotations, per-layer clips [L] and the
     names that made them (value weighting, clip mode), tokens: calibration tokens;
     quant: the quantiser the clips were fitted for; fit: the clip curves (None when fixed);
-    k_shift: None, or the key mean [L, Hkv, D] removed before quantising (`LayerParams.k_shift`)."""
+    k_shift: None, or the key mean [L, Hkv, D] removed before quantising (`LayerParams.k_shift`);
+    layer_quant: None, or one quantiser per layer (a bit budget, `oscar_jax.budget.select`),
+    each layer's clips fitted for its own."""
 
     rot_k: Rotation
     rot_v: Rotation
@@ -524,34 +532,50 @@ class Calibration:
     quant: QuantConfig
     fit: ClipFit | None = None
     k_shift: np.ndarray | None = None
+    layer_quant: tuple[QuantConfig, ...] | None = None
 
     def layer_params(self, v_folded: bool = False) -> LayerParams:
         """The stacked serving parameters [L, Hkv, D, D] (duals only for non-orthogonal variants)."""
         num_layers, kv_heads = self.rot_k.rot.shape[:2]
-        dual = lambda r: None if r.spec.orthogonal else r.dual
+        dual = lambda r: None if np.array_equal(r.rot, r.dual) else r.dual
         return LayerParams.create(self.rot_k.rot, self.rot_v.rot, self.clip_k, self.clip_v,
                                   num_layers=num_layers, kv_heads=kv_heads, v_folded=v_folded,
                                   dual_k=dual(self.rot_k), dual_v=dual(self.rot_v), k_shift=self.k_shift)
 
 
+def centered(stats: Statistics, heldout: tuple[jax.Array, jax.Array, jax.Array] | None,
+             center_keys: bool) -> tuple[Statistics, tuple | None, np.ndarray | None]:
+    """(stats, heldout, k_shift) as the key rotation and clips see them: with center_keys
+    the key mean k_shift float32 [L, Hkv, D] is removed from the statistics and from the
+    held-aside keys [L, B, T, Hkv, D]; else unchanged and k_shift None."""
+    if not center_keys:
+        return stats, heldout, None
+    k_shift = stats.key_mean.astype(np.float32)
+    if heldout is not None:
+        q_h, k_h, v_h = heldout
+        heldout = (q_h, jnp.asarray(k_h, jnp.float32) - k_shift[:, None, None], v_h)
+    return stats.centered_keys(), heldout, k_shift
+
+
 def calibrate(stats: Statistics, heldout: tuple[jax.Array, jax.Array, jax.Array] | None, *,
-              rotation_k: RotationSpec | str = "uhp", rotation_v: RotationSpec | str = "uhp",
+              rotation_k: RotationSpec | str | Rotation = "uhp",
+              rotation_v: RotationSpec | str | Rotation = "uhp",
               quant_cfg: QuantConfig = QuantConfig(), clips: ClipMode = "fit",
               grid=CLIP_GRID, softmax_scale: float | None = None, center_keys: bool = False
               ) -> Calibration:
     """Statistics (+ held-aside (q, k, v) batches [L, B, T, H, D] when clips="fit") ->
-    Calibration. clips="fixed" uses the reference's 0.96 (K) / 0.92 (V) everywhere.
-    center_keys: remove the calibration keys' mean before quantising (softmax-exact,
-    see `LayerParams.k_shift`); the key rotation and clip then see centered keys."""
-    k_shift = None
-    if center_keys:
-        k_shift = stats.key_mean.astype(np.float32)
-        stats = stats.centered_keys()
-        if heldout is not None:
-            q_h, k_h, v_h = heldout
-            heldout = (q_h, jnp.asarray(k_h, jnp.float32) - k_shift[:, None, None], v_h)
-    rot_k = rotation_for(stats, "k", rotation_k, quant_cfg.group_size)
-    rot_v = rotation_for(stats, "v", rotation_v, quant_cfg.group_size)
+    Calibration. rotation_k/v: a variant name or spec built from the statistics, or a
+    ready `Rotation` [L, Hkv, D, D] (a learned one) used as given. clips="fixed" uses the
+    reference's 0.96 (K) / 0.92 (V) everywhere. center_keys: remove the calibration keys'
+    mean before quantising (softmax-exact, see `LayerParams.k_shift`); the key rotation and
+    clip then see centered keys."""
+    stats, heldout, k_shift = centered(stats, heldout, center_keys)
+    shape = stats.query_cov.shape
+    for name, r in (("rotation_k", rotation_k), ("rotation_v", rotation_v)):
+        if isinstance(r, Rotation) and r.rot.shape != shape:
+            raise ValueError(f"{name}.rot.shape={r.rot.shape}: expected [L, Hkv, D, D] = {shape}")
+    make = lambda which, r: r if isinstance(r, Rotation) else rotation_for(stats, which, r, quant_cfg.group_size)
+    rot_k, rot_v = make("k", rotation_k), make("v", rotation_v)
     num_layers = stats.query_cov.shape[0]
     if clips == "fixed":
         full = lambda c: np.full(num_layers, c, np.float32)

@@ -19,9 +19,7 @@ MODEL = dict(model_name="test-model", config_hash=artifact.fingerprint({"layers"
 def calibrations():
     """Calibrations of random activations: orthogonal (uhp), error-shaped per head, and
     uhp with centered keys."""
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((L, 2, 24, h, D)).astype(np.float32) * np.geomspace(3, 0.3, D)
-               for h in (HQ, HKV, HKV))
+    q, k, v = _activations()
     st = cal.statistics(cal.accumulate(cal.Accumulator.init(L, HKV, D), q, k, v))
     cfg = QuantConfig(group_size=8)
     out = {name: cal.calibrate(st, (q, k, v), rotation_k=name, rotation_v=name, quant_cfg=cfg,
@@ -229,3 +227,63 @@ def test_concurrent_writers_one_winner_never_partial(tmp_path, calibrations):
         _, loaded = artifact.load(path, head_dim=D, **MODEL)
         assert loaded.checksum == won[0]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["a0", "a1"]
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_format_2_artifact_reads(tmp_path):
+    """An artifact written by the format-2 code (tests/fixtures/artifact_v2, centered keys)
+    loads with its arrays and no per-layer quantisers; a damaged copy is still refused."""
+    params, meta = artifact.load(FIXTURES / "artifact_v2", head_dim=D, **MODEL)
+    want = np.load(FIXTURES / "artifact_v2_expected.npz")
+    assert meta.format_version == 2 and meta.layer_quant is None and meta.layer_quants() is None
+    for field in ("rot_k", "rot_v", "clip_k", "clip_v", "k_shift"):
+        np.testing.assert_array_equal(np.asarray(getattr(params, field)), want[field])
+    copy = tmp_path / "v2"
+    shutil.copytree(FIXTURES / "artifact_v2", copy)
+    f = copy / "metadata" / "metadata"
+    raw = json.loads(f.read_text())
+    raw["layer_quant"] = [raw["quant"]] * L  # a field format 2 does not have
+    f.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="unknown: \\['layer_quant'\\]"):
+        artifact.load(copy, head_dim=D, **MODEL)
+
+
+def test_layer_quant_round_trip(tmp_path):
+    """A per-layer quantiser choice (`budget.select`) saves and loads: each layer's
+    rotations and clips from its own candidate, `layer_quants()` the chosen quantisers; a
+    tampered choice fails the checksum, a malformed one names the field."""
+    from oscar_jax import budget
+
+    acts = _activations()
+    st = cal.statistics(cal.accumulate(cal.Accumulator.init(L, HKV, D), *acts))
+    two, four = (cal.calibrate(st, acts, quant_cfg=q, grid=(0.7, 0.85, 1.0))
+                 for q in (QuantConfig(group_size=8), QuantConfig(bits=4, group_size=16)))
+    picked = np.array([1, 0, 1])
+    mixed = budget.select([two, four], picked)
+    path, meta = _save(tmp_path, mixed)
+    params, loaded = artifact.load(path, head_dim=D, **MODEL)
+    assert loaded == meta and meta.format_version == artifact.FORMAT_VERSION
+    assert loaded.layer_quants() == (four.quant, two.quant, four.quant)
+    for i, j in enumerate(picked):
+        src = (two, four)[j]
+        np.testing.assert_array_equal(np.asarray(params.rot_k[i]), src.rot_k.rot[i])
+        np.testing.assert_array_equal(np.asarray(params.rot_v[i]), src.rot_v.rot[i])
+        assert (float(params.clip_k[i]), float(params.clip_v[i])) == (src.clip_k[i], src.clip_v[i])
+    f = path / "metadata" / "metadata"
+    raw = json.loads(f.read_text())
+    raw["layer_quant"][0]["bits"] = 2
+    f.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="checksum"):
+        artifact.load(path, head_dim=D, **MODEL)
+    raw["layer_quant"] = raw["layer_quant"][:2]
+    f.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="layer_quant=.*num_layers=3"):
+        artifact.load(path, head_dim=D, **MODEL)
+
+
+def _activations():
+    rng = np.random.default_rng(0)
+    return tuple(rng.standard_normal((L, 2, 24, h, D)).astype(np.float32) * np.geomspace(3, 0.3, D)
+                 for h in (HQ, HKV, HKV))

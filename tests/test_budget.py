@@ -78,3 +78,44 @@ def test_policy_with_a_quantiser_per_layer():
     assert diffs["budget"] < diffs["int2"]
     with pytest.raises(ValueError, match="one per full-attention layer"):
         gen.init_state(model, kv_policy.QuantPolicy("bad", QuantConfig(2), 4, 8, layer_quant=quants[:2]), 1, 64)
+
+
+def test_candidates_and_their_bits():
+    """'BITS[:G]' candidates parse to quantisers; their bits per element follow
+    b + 2·16/G over the quantised history and 16 over sink + window."""
+    cands = budget.parse_candidates("2:32, 2, 4:16", 64)
+    assert cands == (QuantConfig(2, 32), QuantConfig(2), QuantConfig(4, 16))
+    assert budget.parse_candidates("2:64", 64) == (QuantConfig(2),)
+    got = budget.candidate_bits(cands, head_dim=64, sink=64, window=256, context=8192)
+    hist = 8192 - 320
+    want = [(hist * (b + 32 / g) + 320 * 16) / 8192 for b, g in ((2, 32), (2, 64), (4, 16))]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    for text, match in (("3:32", "bits=3"), ("2:128", "does not divide"), ("2:x", "BITS\\[:G\\]"),
+                        ("2,2:64", "at most once")):
+        with pytest.raises(ValueError, match=match):
+            budget.parse_candidates(text, 64)
+
+
+def test_select_takes_each_layer_from_its_candidate():
+    """select: layer l's rotations, duals, eigenvalues and clips are those of the candidate
+    calibration allocate picked for it, and layer_quant names that candidate's quantiser."""
+    from oscar_jax import calibrate as cal
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((3, 1, 32, h, 16)).astype(np.float32) * np.geomspace(3, 0.3, 16)
+               for h in (4, 2, 2))
+    st = cal.statistics(cal.accumulate(cal.Accumulator.init(3, 2, 16), q, k, v))
+    quants = (QuantConfig(2, 8), QuantConfig(2, 16), QuantConfig(4, 16))
+    cands = [cal.calibrate(st, (q, k, v), rotation_k="shaped/head", rotation_v="uhp", quant_cfg=c,
+                           grid=(0.7, 0.85, 1.0)) for c in quants]
+    picked = np.array([2, 0, 1])
+    mixed = budget.select(cands, picked)
+    assert mixed.layer_quant == tuple(quants[j] for j in picked)
+    for i, j in enumerate(picked):
+        for which in ("rot_k", "rot_v"):
+            for field in ("rot", "dual", "eigenvalues"):
+                np.testing.assert_array_equal(getattr(getattr(mixed, which), field)[i],
+                                              getattr(getattr(cands[j], which), field)[i])
+        assert (mixed.clip_k[i], mixed.clip_v[i]) == (cands[j].clip_k[i], cands[j].clip_v[i])
+    with pytest.raises(ValueError, match="picked="):
+        budget.select(cands, np.array([0, 3, 1]))

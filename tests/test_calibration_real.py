@@ -41,7 +41,7 @@ def test_spectrum_using_variant_beats_hadamard_at_equal_bits(smollm2_run, tmp_pa
     assert run.stats.tokens == CALIB_TOKENS and run.layers == tuple(range(30))
     quant_cfg = QuantConfig(bits=2)  # G = D = 64: 2 + 2*16/64 = 2.5 bits/element
     both = mc.compare_variants(run, ("identity", "hadamard", "uhp", "shaped/head"), quant_cfg,
-                               softmax_scale=decoder.cfg.softmax_scale)
+                               softmax_scale=decoder.cfg.softmax_scale, sink=16, window=64)
     errors = {name: e[0] for name, e in both.items()}
     mean = {name: float(e.mean()) for name, e in errors.items()}
     print(f"\nSmolLM2-135M, {CALIB_TOKENS} calib + {HELDOUT_TOKENS // 2}/{HELDOUT_TOKENS // 2} held-aside "
