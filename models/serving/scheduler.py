@@ -104,12 +104,7 @@ class Scheduler:
 
     def _swap_out(self, seq: Sequence) -> Event:
         event = Event("swap_out", seq, old_slot=seq.slot, old_pages=tuple(seq.pages))
-        self.running.remove(seq)
-        if seq.pages:
-            self.allocator.free(seq.pages)
-        self._free_slots.append(seq.slot)
-        self._free_slots.sort()
-        seq.slot, seq.pages = None, []
+        self.finish(seq)
         self.swapped.append(seq)
         return event
 
@@ -142,7 +137,7 @@ class Scheduler:
         seq.length += 1
 
     def finish(self, seq: Sequence) -> None:
-        """seq is done: its slot and pages are free."""
+        """seq leaves the running set (done, or swapped out): its slot and pages are free."""
         self.running.remove(seq)
         if seq.pages:
             self.allocator.free(seq.pages)
