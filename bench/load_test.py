@@ -69,6 +69,7 @@ async def level(base: str, model: str, concurrency: int, duration: float, prompt
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
+    await client.close()
     ok = [r for r in done if r["ok"]]
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
@@ -91,6 +92,7 @@ async def warm_up(base: str, model: str, lo: int, hi: int, vocab: int) -> None:
     lengths = sorted({lo, hi, *(1 << i for i in range(lo.bit_length(), hi.bit_length()))})
     for n in lengths:
         await _one(client, model, [1] * n, 2)
+    await client.close()
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
