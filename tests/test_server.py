@@ -230,3 +230,19 @@ def test_admission_queue_is_bounded_429_then_drains():
         loop.stop()
 
     asyncio.run(run())
+
+
+def test_byte_tokenizer_round_trips_text_and_marks_other_ids():
+    """A model without a tokenizer (random weights) is served with text as UTF-8 bytes; ids past
+    255 show as one mark each, and an incomplete UTF-8 sequence is held back by TextStream."""
+    from oscar_jax.models.serving import api
+
+    tok = api.ByteTokenizer(1000)
+    text = "naïve — ok"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([104, 300, 105, 999]) == "h\u25a1i\u25a1"
+    stream = api.TextStream(tok.decode, None)
+    ids = tok.encode("é")
+    assert stream.feed(ids[:1]) == "" and stream.feed(ids[1:]) == "é"
+    with pytest.raises(ValueError, match="vocab_size"):
+        api.ByteTokenizer(100)

@@ -172,6 +172,31 @@ class ChatTemplate:
                                     add_generation_prompt=True, bos_token=self.bos, eos_token=self.eos)
 
 
+class ByteTokenizer:
+    """Text as UTF-8 bytes, one id a byte, for a model served without a tokenizer (random
+    weights: speed runs); an id past 255 decodes to "□", so every token shows in a stream."""
+
+    eos_ids: tuple[int, ...] = ()
+    bos_id = None
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 256:
+            raise ValueError(f"vocab_size={vocab_size}: byte ids need at least 256")
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+            else:
+                out += [run.decode(errors="replace"), "\u25a1"]
+                run = bytearray()
+        return "".join(out) + run.decode(errors="replace")
+
+
 class TextStream:
     """Token ids -> text pieces, held back where the text may still change: an incomplete UTF-8
     sequence at the end, or a tail that could be the start of a stop string.

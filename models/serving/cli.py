@@ -48,17 +48,17 @@ def serve(
     max_len = max_len or context
     policy = kv_policy_for(kv, rotations, cfg, implementation)
     decoder, tokenizer = load_model(model, dtype=jnp.dtype(dtype), random_weights=random_weights)
-    if tokenizer is None:
-        fail(f"--model {model}: no tokenizer (random weights or an HF directory without tokenizer.json); "
-             "a server needs one")
+    if tokenizer is None:  # random weights or an HF directory without tokenizer.json: text as bytes
+        console.print(f"{model} has no tokenizer: text is served as UTF-8 bytes, one token a byte", style="yellow")
+        tokenizer = api.ByteTokenizer(decoder.cfg.vocab_size)
     try:
         engine = Engine(decoder, policy, slots=slots, max_len=max_len, page_tokens=page_tokens,
                         num_pages=num_pages, prefill_chunk=prefill_chunk)
     except ValueError as e:
         fail(str(e))
-    source = None if random_weights else tokenizer_lib.read_chat_template(
+    source = None if isinstance(tokenizer, api.ByteTokenizer) else tokenizer_lib.read_chat_template(
         registry.model_path(model) if model in registry.MODELS else model)
-    token_text = lambda i: tokenizer.tokenizer.id_to_token(i) if i is not None else ""
+    token_text = lambda i: tokenizer.tokenizer.id_to_token(i) if i is not None else ""  # a TextTokenizer's
     template = api.ChatTemplate(source, bos=token_text(tokenizer.bos_id),
                                 eos=token_text(tokenizer.eos_ids[0] if tokenizer.eos_ids else None)) if source else None
     served = server.ServedModel(name or model, engine, tokenizer, template, min(context, engine.capacity))
