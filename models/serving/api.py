@@ -80,7 +80,7 @@ class _Common(BaseModel):
         bad = []
         for name in self.model_fields_set & UNSUPPORTED.keys():
             value, neutral = getattr(self, name), UNSUPPORTED[name]
-            if value is not None and value != neutral and not (name == "best_of" and value == 1):
+            if value is not None and value != neutral:
                 bad.append(name)
         return sorted(bad)
 
