@@ -9,7 +9,8 @@ place. Each layer is an inner `jax.jit` function, so JAX traces and lowers one l
 each kind once, whatever the depth. The KV cache is never module state: it is an explicit
 `KVState` argument and return value (see `kv_policy`).
 
-Projection weights are stored as `x @ W` ([in, out]); norm weights as the effective
+Projection weights are stored as `x @ W` ([in, out]), a layer's q/k/v and gate/up weights
+each joined into one matrix (`FUSED`); norm weights as the effective
 multiplier (Gemma's `1 + w` already added). float32 weights multiply at HIGHEST precision
 (the parity path); bf16 weights at the default (bf16 MMAs, float32 accumulation).
 """
@@ -34,8 +35,8 @@ Mode = Literal["forward", "step"]
 PREFILL_CHUNK_TOKENS = 4096  # tokens per step of a prefill's token-wise work (projections, MLP)
 
 
-def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Per-layer parameter shapes of `Block`."""
+def checkpoint_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer shapes of the checkpoint's tensors, in the decoder's [in, out] layout."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes = {"attn_norm": (h,), "wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h),
@@ -49,6 +50,47 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.post_norms:
         shapes.update(post_attn_norm=(h,), post_mlp_norm=(h,))
     return shapes
+
+
+# A layer's fused parameters and the checkpoint tensors each joins (`fuse`): one matmul reads
+# the q/k/v weights and one the gate/up weights, so a decode step runs fewer, larger matmuls.
+FUSED = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer parameter shapes of `Block`: the checkpoint's, with `FUSED`'s parts joined."""
+    shapes = checkpoint_param_shapes(cfg)
+    for name, parts in FUSED.items():
+        if parts[0] in shapes:
+            *lead, _ = shapes[parts[0]]
+            shapes[name] = (*lead, sum(shapes.pop(p)[-1] for p in parts))
+    return shapes
+
+
+def fuse(cfg: ModelConfig, name: str, parts):
+    """The `FUSED` parameter `name` from its parts (numpy or jax arrays [..., out_p], joined on
+    the last axis). q/k/v: grouped by KV head, [..., Hkv, G + 2, D] flattened (KV head j's G
+    query heads, its k, its v), so a split of the last axis into whole groups (tensor parallel)
+    keeps every query head with its KV head. gate/up: interleaved, [..., I, 2] flattened."""
+    xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
+    if name == "w_gate_up":
+        return xp.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
+    q, k, v = parts
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    grouped = [x.reshape(*x.shape[:-1], hkv, -1, d) for x in (q, k, v)]
+    return xp.concatenate(grouped, axis=-2).reshape(*q.shape[:-1], -1)
+
+
+def unfuse(cfg: ModelConfig, name: str, x) -> tuple:
+    """Inverse of `fuse`: x [..., out] -> its parts in `FUSED[name]` order (also splits a fused
+    matmul's outputs)."""
+    if name == "w_gate_up":
+        pairs = x.reshape(*x.shape[:-1], -1, 2)
+        return pairs[..., 0], pairs[..., 1]
+    hkv, d, g = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    grouped = x.reshape(*x.shape[:-1], hkv, g + 2, d)
+    flat = lambda a: a.reshape(*x.shape[:-1], -1)
+    return flat(grouped[..., :g, :]), flat(grouped[..., g, :]), flat(grouped[..., g + 1, :])
 
 
 class Block(nnx.Module):
@@ -157,9 +199,10 @@ def project_qkv(cfg: ModelConfig, kind: LayerType, w: dict, x: jax.Array, positi
     b, t, _ = x.shape
     d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
-    q, k, v = matmul(h, w["wq"]), matmul(h, w["wk"]), matmul(h, w["wv"])
+    qkv = matmul(h, w["w_qkv"])
     if cfg.attention_bias:
-        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        qkv = qkv + w["b_qkv"]
+    q, k, v = unfuse(cfg, "w_qkv", qkv)
     q, k, v = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
@@ -177,9 +220,9 @@ def output_and_mlp(cfg: ModelConfig, w: dict, x: jax.Array, o: jax.Array) -> jax
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_eps)
     x = x + o
     h = rms_norm(x, w["mlp_norm"], cfg.rms_eps)
-    gate = matmul(h, w["w_gate"])
+    gate, up = unfuse(cfg, "w_gate_up", matmul(h, w["w_gate_up"]))
     act = jax.nn.silu(gate) if cfg.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    m = matmul(act * matmul(h, w["w_up"]), w["w_down"])
+    m = matmul(act * up, w["w_down"])
     if cfg.post_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg.rms_eps)
     return x + m

@@ -2,14 +2,15 @@
 `jax.sharding.Mesh`, and each weight's `NamedSharding` through `oscar_jax.sharding`'s one rules
 table (the KV state's shardings: `kv_policy.state_shardings`).
 
-Tensor parallel in the Megatron layout over `model`: column-parallel (output features split,
-whole heads per device) wq, wk, wv and their biases, w_gate, w_up; row-parallel (input
-features split) wo and w_down. The residual stream stays whole on every `model` device (and
-split by batch over `data`), so each layer costs two all-reduces of its [B, C, H] activations:
-one after wo, one after w_down. KV heads that do not divide over `model` are replicated
-(wk, wv and the cache), as `oscar_jax.sharding` replicates any axis its mesh axis does not
-divide. Norms and the embedding table are replicated (one row gathered per token); the LM
-head is split over vocabulary columns.
+Tensor parallel in the Megatron layout over `model`: column-parallel (output features split)
+w_qkv and b_qkv in whole KV-head groups (each device's query heads with their KV head,
+`decoder.fuse`), and w_gate_up in whole (gate, up) column pairs; row-parallel (input features
+split) wo and w_down. The residual stream stays whole on every `model` device (and split by
+batch over `data`), so each layer costs two all-reduces of its [B, C, H] activations: one after
+wo, one after w_down. Where the KV heads do not divide over `model`, w_qkv (query heads
+included) and the cache are replicated, as `oscar_jax.sharding` replicates any axis its mesh
+axis does not divide. Norms and the embedding table are replicated (one row gathered per
+token); the LM head is split over vocabulary columns.
 
 Weights go straight into their shards: a checkpoint tensor is read on the host and each
 device receives only its slice (`place`, `jax.make_array_from_callback`); random weights are
@@ -71,9 +72,8 @@ def check_model(cfg: ModelConfig, mesh: Mesh) -> None:
 # flattened heads x head_dim axis, so a head is never cut).
 def _weight_axes(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int] | None, ...]]:
     heads, kv, mlp = ("heads", cfg.num_heads), ("kv_heads", cfg.num_kv_heads), ("mlp", cfg.intermediate_size)
-    return {"wq": (None, heads), "wk": (None, kv), "wv": (None, kv), "wo": (heads, None),
-            "bq": (heads,), "bk": (kv,), "bv": (kv,),
-            "w_gate": (None, mlp), "w_up": (None, mlp), "w_down": (mlp, None),
+    return {"w_qkv": (None, kv), "b_qkv": (kv,), "wo": (heads, None),
+            "w_gate_up": (None, mlp), "w_down": (mlp, None),
             "lm_head": (None, ("vocab", cfg.vocab_size))}
 
 

@@ -1,9 +1,10 @@
 """Checkpoint names <-> `Decoder` parameters: one explicit table for both formats.
 
-Checkpoint tensors use PyTorch's Linear layout [out, in]; the decoder stores
-[in, out]. Norms: the decoder stores the effective multiplier, which is the
-GGUF value for every family and HF's `1 + w` for Gemma 3. llama.cpp stores the
-Q/K rows of Llama-family models in an interleaved RoPE order, undone here.
+Checkpoint tensors use PyTorch's Linear layout [out, in]; the decoder stores [in, out],
+with the q/k/v and gate/up tensors of a layer joined (`decoder.FUSED`). Norms: the decoder
+stores the effective multiplier, which is the GGUF value for every family and HF's `1 + w`
+for Gemma 3. llama.cpp stores the Q/K rows of Llama-family models in an interleaved RoPE
+order, undone here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flax import nnx
 
 from oscar_jax.models import parallel
 from oscar_jax.models.config import ModelConfig
-from oscar_jax.models.decoder import Decoder, abstract_decoder, layer_param_shapes
+from oscar_jax.models.decoder import FUSED, Decoder, abstract_decoder, checkpoint_param_shapes, fuse, unfuse
 
 # decoder parameter -> (HF name, GGUF name); layer names take the layer index i.
 GLOBAL_NAMES = {
@@ -122,9 +123,14 @@ def build_decoder(cfg: ModelConfig, get: Callable[[str], np.ndarray], fmt: str, 
     for param in GLOBAL_NAMES:
         if param in pure and pure[param] is not None:
             pure[param] = place(fetch(checkpoint_name(cfg, param, fmt), pure[param].shape, param), param)
+    shapes = checkpoint_param_shapes(cfg)
     for i in range(cfg.num_layers):
-        for param, shape in layer_param_shapes(cfg).items():
-            pure["layers"][i][param] = place(fetch(checkpoint_name(cfg, param, fmt, i), shape, param), param)
+        tensors = {param: fetch(checkpoint_name(cfg, param, fmt, i), shape, param) for param, shape in shapes.items()}
+        for name, parts in FUSED.items():
+            if parts[0] in tensors:
+                tensors[name] = fuse(cfg, name, [tensors.pop(p) for p in parts])
+        for param, x in tensors.items():
+            pure["layers"][i][param] = place(x, param)
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
@@ -138,7 +144,9 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
         out[checkpoint_name(cfg, "lm_head", "hf")] = _from_decoder(cfg, "lm_head", model.lm_head[...])
     for i, block in enumerate(model.layers):
         for param, value in block.arrays().items():
-            out[checkpoint_name(cfg, param, "hf", i)] = _from_decoder(cfg, param, np.asarray(value))
+            value = np.asarray(value)
+            for part, x in zip(FUSED.get(param, (param,)), unfuse(cfg, param, value) if param in FUSED else (value,)):
+                out[checkpoint_name(cfg, part, "hf", i)] = _from_decoder(cfg, part, x)
     return out
 
 

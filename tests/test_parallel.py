@@ -4,6 +4,7 @@ weights load straight into their shards; --mesh errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -12,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 from jax.sharding import Mesh, PartitionSpec as P
 
 from oscar_jax import sharding
 from oscar_jax.models import generate as gen, kv_policy, parallel
 from oscar_jax.models.config import ModelConfig
-from oscar_jax.models.decoder import Decoder, forward_logits
+from oscar_jax.models.decoder import Decoder, forward_logits, unfuse
 from oscar_jax.models.safetensors_loader import load_hf
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny" / "llama3"
@@ -91,7 +93,7 @@ def test_decoder_on_a_mesh_gives_one_devices_logits(model, one_device, mesh_name
     axis = lambda name: name if name in mesh.shape else None
     assert cache.hist_codes_k.sharding.spec == sharding.spec(axis("data"), axis("model"), axis("seq"))
     assert cache.sink_k.sharding.spec == cache.recent_k.sharding.spec == sharding.spec(axis("data"), axis("model"))
-    assert sharded.layers[0].wq[...].sharding.spec == (P(None, "model") if tp > 1 else P())
+    assert sharded.layers[0].w_qkv[...].sharding.spec == (P(None, "model") if tp > 1 else P())
 
     hlo = gen.decode_step.lower(sharded, kv, jnp.zeros(len(LENGTHS), jnp.int32),
                                 jax.random.key(0)).compile().as_text()
@@ -115,21 +117,34 @@ def test_decode_loop_on_a_mesh_compiles_once_and_decodes_like_one_device(model, 
     np.testing.assert_array_equal(np.asarray(out), tokens.T)
 
 
-def test_weights_load_straight_into_their_shards():
-    """An HF checkpoint on data 2 x model 4: column-parallel q/MLP-in, row-parallel o/MLP-out, LM head
-    over vocab columns, the 2 KV heads (not divisible by 4) and norms replicated; each device holds
-    its slice only; the forward equals the unsharded model's."""
-    mesh = _mesh("data2-model4")
+@pytest.mark.parametrize("tp", [4, 2])
+def test_weights_load_straight_into_their_shards(tp):
+    """An HF checkpoint (2 KV heads) on data x model: w_qkv column-parallel in whole KV-head groups
+    where the KV heads divide over `model` (each device's query heads beside their KV head, as in
+    the checkpoint), else replicated; w_gate_up column-parallel, wo and w_down row-parallel, the LM
+    head over vocab columns, norms replicated; each device holds its slice only; the forward
+    equals the unsharded model's."""
+    mesh = Mesh(np.array(jax.devices()).reshape(8 // tp, tp), ("data", "model"))
     model, sharded = load_hf(HF_LLAMA), load_hf(HF_LLAMA, sharding=mesh)
-    layer = sharded.layers[0]
-    specs = {name: getattr(layer, name)[...].sharding.spec for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
-                                                                        "w_down", "attn_norm")}
-    assert specs == {"wq": P(None, "model"), "wk": P(), "wv": P(), "wo": P("model"),
-                     "w_gate": P(None, "model"), "w_up": P(None, "model"), "w_down": P("model"), "attn_norm": P()}
+    cfg, layer = model.cfg, sharded.layers[0]
+    groups = cfg.num_kv_heads % tp == 0
+    specs = {name: getattr(layer, name)[...].sharding.spec for name in ("w_qkv", "wo", "w_gate_up", "w_down",
+                                                                        "attn_norm")}
+    assert specs == {"w_qkv": P(None, "model") if groups else P(), "wo": P("model"),
+                     "w_gate_up": P(None, "model"), "w_down": P("model"), "attn_norm": P()}
     assert sharded.lm_head[...].sharding.spec == P(None, "model")
     assert sharded.embed[...].sharding.spec == P()
-    wq = layer.wq[...]
-    assert {s.data.shape for s in wq.addressable_shards} == {(wq.shape[0], wq.shape[1] // 4)}
+    wo = layer.wo[...]
+    assert {s.data.shape for s in wo.addressable_shards} == {(wo.shape[0] // tp, wo.shape[1])}
+    ckpt = load_file(HF_LLAMA / "model.safetensors")
+    want = [ckpt[f"model.layers.0.self_attn.{p}_proj.weight"].T for p in "qkv"]  # [H, heads * D]
+    split = tp if groups else 1
+    local = dataclasses.replace(cfg, num_heads=cfg.num_heads // split, num_kv_heads=cfg.num_kv_heads // split)
+    for shard in layer.w_qkv[...].addressable_shards:
+        m = (shard.index[1].start or 0) // shard.data.shape[1]
+        for got, full in zip(unfuse(local, "w_qkv", np.asarray(shard.data)), want):
+            width = full.shape[1] // split
+            np.testing.assert_array_equal(got, full[:, m * width:(m + 1) * width])
     tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
     np.testing.assert_allclose(np.asarray(jax.jit(forward_logits)(sharded, tokens)),
                                np.asarray(jax.jit(forward_logits)(model, tokens)), rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from oscar_jax.models.config import ModelConfig
-from oscar_jax.models.decoder import layer_param_shapes
+from oscar_jax.models.decoder import checkpoint_param_shapes
 from oscar_jax.models.weights import checkpoint_name
 
 
@@ -64,7 +64,7 @@ def write_tiny_gguf(path: str | Path, *, context_length: int = 512, seed: int = 
     w.add_tensor(checkpoint_name(cfg, "embed", "gguf"),
                  (0.5 * rng.standard_normal((cfg.vocab_size, cfg.hidden_size))).astype(np.float32))
     w.add_tensor(checkpoint_name(cfg, "final_norm", "gguf"), np.ones(cfg.hidden_size, np.float32))
-    for param, shape in layer_param_shapes(cfg).items():
+    for param, shape in checkpoint_param_shapes(cfg).items():
         for i in range(cfg.num_layers):
             if param.endswith("norm"):
                 x = np.ones(shape, np.float32)
