@@ -64,10 +64,21 @@ def sequence_bytes(model: Decoder, policy, max_len: int) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches) if x.ndim >= 2)
 
 
+def _first_row(layer):
+    """An empty layer's first row: the same layer for one sequence (every cache array leads with
+    the batch; an `OscarLayer` keeps its params, its spec says batch 1)."""
+    if isinstance(layer, kv_policy.OscarLayer):
+        cache = jax.tree.map(lambda x: x[:1], layer.cache)
+        return dataclasses.replace(layer, cache=dataclasses.replace(cache, spec=dataclasses.replace(cache.spec,
+                                                                                                   batch=1)))
+    return jax.tree.map(lambda x: x[:1], layer)
+
+
 @functools.partial(jax.jit, static_argnames=("context",), donate_argnames=("full",))
-def _fill_layer(one, full, key, *, context: int):
-    """Write random post-RoPE k, v of `context` tokens into the batch-1 layer `one` and copy it
-    into every row of `full` (donated)."""
+def _fill_layer(full, key, *, context: int):
+    """Write random post-RoPE k, v of `context` tokens into one row of the empty layer `full`
+    (donated) and copy it into every row: temporaries of one sequence of one layer only."""
+    one = _first_row(full)
     shape = (1, context, *_heads(one))
     k, v = (jax.random.normal(part, shape, jnp.bfloat16) for part in jax.random.split(key))
     one = kv_policy.write_prompt(one, k, v, jnp.full((1,), context, jnp.int32))
@@ -91,9 +102,8 @@ def filled_state(model: Decoder, policy, batch: int, context: int, max_len: int,
     """A KV state of `batch` sequences holding `context` random tokens each (capacity max_len;
     with `mesh`, in its shards there)."""
     kv = gen.init_state(model, policy, batch, max_len, mesh=mesh)
-    one = gen.init_state(model, policy, 1, max_len, mesh=mesh)
     keys = jax.random.split(jax.random.key(seed), len(kv.layers))
-    layers = tuple(_fill_layer(o, f, k, context=context) for o, f, k in zip(one.layers, kv.layers, keys))
+    layers = tuple(_fill_layer(full, key, context=context) for full, key in zip(kv.layers, keys))
     kv = kv_policy.KVState(layers, jnp.full((batch,), context, jnp.int32))
     return kv if mesh is None else jax.device_put(kv, kv_policy.state_shardings(kv, mesh))
 
