@@ -154,7 +154,7 @@ def test_random_weights_are_created_in_their_shards():
     mesh = _mesh("data2-model4")
     sharded, plain = parallel.init_decoder(CFG, mesh, seed=3), Decoder(CFG, rngs=nnx.Rngs(3))
     assert sharded.layers[1].w_down[...].sharding.spec == P("model")
-    assert sharded.layers[1].wk[...].sharding.spec == P(None, "model")  # 4 KV heads over model=4
+    assert sharded.layers[1].w_qkv[...].sharding.spec == P(None, "model")  # 4 KV-head groups over model=4
     for a, b in zip(jax.tree.leaves(nnx.state(sharded)), jax.tree.leaves(nnx.state(plain))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)  # jit vs eager sampling
 
