@@ -155,14 +155,15 @@ class Scheduler:
             if not self.allocator:
                 shared = restored  # no pages to share: only what a snapshot restores
             pinned = self.prefix.cached_pages_among(seq.keys[:shared]) if self.prefix and self.allocator else 0
-            if not self._fits(seq.prompt_len + 1, held=shared - pinned):
+            first = seq.prompt_len + (seq.max_tokens > 1)  # the first decode step's tokens (none: done at prefill)
+            if not self._fits(first, held=shared - pinned):
                 break
             self.waiting.pop(0)
             entries = [self.prefix.acquire(key) for key in seq.keys[:shared]]
             seq.held, seq.shared, seq.restored = list(seq.keys[:shared]), shared, restored
             seq.pages = [e.page for e in entries] if self.allocator else []
             seq.length = seq.prompt_len
-            self._enter(seq, seq.prompt_len + 1)
+            self._enter(seq, first)
             events.append(Event("admit", seq))
         return events
 
