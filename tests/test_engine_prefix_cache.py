@@ -199,3 +199,30 @@ def test_scheduler_conserves_shared_and_cached_pages(requests, num_pages, slots,
         if not pending and not (sched.waiting or sched.running or sched.swapped):
             break
     assert all(s.max_tokens == -1 for s in accepted)
+
+
+def test_workload_bench_runs_at_tiny_scale(tmp_path):
+    """bench/workload.py on the tiny model: every request finishes, nothing compiles after the
+    warm-up, the prefix cache restores part of the shared prefix, pages in use are recorded."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "bench" / "workload.py"
+    spec = importlib.util.spec_from_file_location("bench_workload", path)
+    workload = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workload)
+    out = tmp_path / "w.json"
+    workload.main(["--model", "tiny", "--scale", "0.004", "--requests", "6", "--rate", "4", "--kv", "oscar",
+                   "--prefix-cache", "on", "--kv-gib", "0.0002", "--dtype", "float32", "--prompt-tokens",
+                   "8192,16384", "--output-tokens", "512,1024", "--out", str(out)])
+    (row,) = results_rows(out)
+    assert row["requests"] == 6 and row["compiles_timed"] == 0 and row["shared_requests"] >= 2
+    assert 0 < row["prefix_hit_tokens"] <= row["shared_prefix_tokens"] and row["pages_in_use"]
+    assert row["output_tokens"] >= 6 * 2 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def results_rows(path) -> list[dict]:
+    from oscar_jax.models import results
+    return results.read(path)["rows"]

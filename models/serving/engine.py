@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -228,6 +229,10 @@ class Engine:
         self.preemptions = 0
         self.prompt_tokens = 0  # prompt tokens of the requests whose prefill started
         self.prefix_hit_tokens = 0  # of those, the tokens restored from the prefix cache (not prefilled)
+        # Wall time of the steps' scheduling, swaps and prefill work, and of their decode steps
+        # (with the tokens those generated): the decode phase's throughput apart from prefill.
+        self.prefill_seconds = self.decode_seconds = 0.0
+        self.decode_tokens = 0
         self._compiles_at_start = _COMPILES[0]
 
     def _prefix_cache(self, host_bytes: int) -> pc.PrefixCache:
@@ -361,9 +366,13 @@ class Engine:
     def step(self) -> None:
         """One round: the scheduler's events (swaps, admissions with their prefill, new pages),
         then one decode step of every running sequence."""
+        start = time.perf_counter()
         for event in self.scheduler.schedule():
             self._apply(event)
         self._prefill_chunks()
+        jax.block_until_ready([fill.part for fill in self._prefilling.values()])
+        decode_start = time.perf_counter()
+        self.prefill_seconds += decode_start - start
         running = [s for s in self.scheduler.running if s.rid in self._next_token]
         if running:
             b = self.slots
@@ -378,6 +387,8 @@ class Engine:
                                       jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds),
                                       jnp.asarray(counts))
             nxt = np.asarray(nxt)
+            self.decode_seconds += time.perf_counter() - decode_start
+            self.decode_tokens += len(running)
             for seq in running:
                 self.scheduler.advance(seq)
                 self._emit(seq, int(nxt[seq.slot]))
