@@ -101,8 +101,9 @@ def warm_up(engine: Engine, lo: int, hi: int, vocab: int, rng: np.random.Generat
     """A prompt per prefill bucket in [lo, hi] (and with the prefix cache, one whose segments
     use every extend chunk shape, twice: the second restores it), two tokens each."""
     lengths = sorted({b for b in engine.buckets if lo <= b <= hi} | {lo, hi})
-    if engine.prefix is not None:
-        n = engine._first_bound + engine.page_tokens + engine.chunk - 1
+    bounds = engine.prefix_bounds(engine.capacity) if engine.prefix is not None else []
+    if bounds:
+        n = bounds[0] + engine.page_tokens + engine.chunk - 1
         lengths += [n, n] if n + 2 <= engine.capacity else []
     prompt = rng.integers(0, vocab, max(lengths)).tolist()
     for n in lengths:

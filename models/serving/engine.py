@@ -291,7 +291,7 @@ class Engine:
         if not all(0 <= t < vocab for t in request.prompt):
             raise ValueError(f"request prompt holds ids outside [0, vocab_size={vocab})")
         rid = len(self.requests)
-        keys = self.prefix.keys(request.prompt, self._bounds(len(request.prompt))) if self.prefix else ()
+        keys = self.prefix.keys(request.prompt, self.prefix_bounds(len(request.prompt))) if self.prefix else ()
         self._seqs[rid] = self.scheduler.submit(rid, len(request.prompt), request.max_tokens, keys)
         self.requests[rid] = request
         self.results[rid] = Result([])
@@ -426,7 +426,7 @@ class Engine:
     def _bucket(self, n: int) -> int:
         return next(t for t in self.buckets if t >= n)
 
-    def _bounds(self, n: int) -> list[int]:
+    def prefix_bounds(self, n: int) -> list[int]:
         """The prefix-cache boundaries m_1 < m_2 < ... below a prompt of n tokens."""
         return list(range(self._first_bound, n, self.page_tokens))
 
@@ -473,7 +473,7 @@ class Engine:
         m_K, then the rest. Snapshots are taken at m_K and, where seq shares entries past the
         one it restores (a branch point: no snapshot there yet), at the last shared one; dense
         policies take every boundary's (their entries hold their rows)."""
-        prompt, bounds = self.requests[seq.rid].prompt, self._bounds(len(self.requests[seq.rid].prompt))
+        prompt, bounds = self.requests[seq.rid].prompt, self.prefix_bounds(len(self.requests[seq.rid].prompt))
         part, j, last = self._empty_part(self.capacity), seq.restored, bounds[-1]
         if j:
             part, done, logits = self._restore(seq, part), bounds[j - 1], None
