@@ -13,7 +13,9 @@ by `--scale` (a tiny model on the CPU runs the same workload shape in seconds).
 
 Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process, with random
 weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
-slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots). A
+slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
+Both modes prefill in chunks of a page (the window where shorter), so on and off differ by
+the cache only. A
 warm-up (a prompt per prefill bucket, and for the prefix cache one that compiles its chunk
 shapes) runs first, so no timed step compiles. Recorded per run: requests/s and output
 tokens/s end to end (first arrival to last finish), decode-phase output tokens/s (tokens of
