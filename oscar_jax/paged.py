@@ -132,6 +132,7 @@ class PagedCache:
 
 HIST_FIELDS = ("hist_codes_k", "hist_codes_v", "hist_lo_k", "hist_scale_k", "hist_lo_v", "hist_scale_v")
 SLOT_FIELDS = ("sink_k", "sink_v", "recent_k", "recent_v", "lengths", "overflow", "block_table")
+ROW_FIELDS = SLOT_FIELDS[:-1]  # a slot's own arrays, beside its pages and table
 # The token axis of each history field ([P, H, ...] per page, [B, H, ...] contiguous).
 _TOKEN_AXIS = {"hist_codes_k": -2, "hist_codes_v": -1, "hist_lo_k": -1, "hist_scale_k": -1, "hist_lo_v": -1,
                "hist_scale_v": -1}
@@ -205,12 +206,14 @@ def write_prompt(cache: PagedCache, slots, k: jax.Array, v: jax.Array, prompt_le
     return insert(cache, slots, part)
 
 
-def insert(cache: PagedCache, slots, part: OscarCache) -> PagedCache:
+def insert(cache: PagedCache, slots, part: OscarCache, keep=None) -> PagedCache:
     """Put the rows of a contiguous one-layer cache `part` (batch Bp, the same sink, window,
     head shape and quantiser; a history of at most pages_per_seq pages) into slots `slots`
     int32 [Bp]: their sink, ring, lengths and overflow, and the history, page by page, into
-    the pool at the slots' block-table entries. A slot whose table lacks a page its tokens
-    need raises outside jit; inside jit it is flagged in `overflow`."""
+    the pool at the slots' block-table entries. keep int32 [Bp] (default 0): row b's first
+    keep[b] pages are left unwritten (shared pages that hold these tokens already). A slot
+    whose table lacks a page its tokens need raises outside jit; inside jit it is flagged in
+    `overflow`."""
     spec = cache.spec
     slots = jnp.asarray(slots, jnp.int32)
     bp = part.spec.batch
@@ -230,8 +233,10 @@ def insert(cache: PagedCache, slots, part: OscarCache) -> PagedCache:
            for name in ("sink_k", "sink_v", "recent_k", "recent_v", "lengths")}
     out["overflow"] = cache.overflow.at[slots].set(part.overflow | missing)
     if n_pages:
-        ids = table[:, :n_pages].reshape(-1)
-        ids = jnp.where(ids >= 0, ids, cache.num_pages)  # no page: dropped
+        keep = jnp.zeros((bp,), jnp.int32) if keep is None else jnp.asarray(keep, jnp.int32)
+        ids = table[:, :n_pages]
+        ids = jnp.where((ids >= 0) & (jnp.arange(n_pages)[None, :] >= keep[:, None]), ids, cache.num_pages)
+        ids = ids.reshape(-1)  # no page, or a kept one: dropped
         for name, axis in _TOKEN_AXIS.items():
             pages = _pages_of(getattr(part, name), axis, rows, n_pages)
             out[name] = getattr(cache, name).at[ids].set(pages, mode="drop")
@@ -353,14 +358,11 @@ dispatch.register("paged_attend", "pallas_mosaic_gpu",
                   supports=_mgpu_attention.supports)
 
 
-_ROW_FIELDS = ("sink_k", "sink_v", "recent_k", "recent_v", "lengths", "overflow")
-
-
 def read_slot(cache: PagedCache, slot, page_ids) -> dict[str, jax.Array]:
     """What slot `slot` holds, to swap it out: its sink, ring, lengths and overflow, and the pages
     `page_ids` int32 [n] (its table's entries, in order; padding ids read any page)."""
     ids = jnp.asarray(page_ids, jnp.int32)
-    return {**{name: getattr(cache, name)[slot] for name in _ROW_FIELDS},
+    return {**{name: getattr(cache, name)[slot] for name in ROW_FIELDS},
             **{name: getattr(cache, name)[ids] for name in HIST_FIELDS}}
 
 
@@ -369,6 +371,6 @@ def write_slot(cache: PagedCache, slot, page_ids, saved: dict[str, jax.Array]) -
     < 0 or >= num_pages are skipped: padding); the block table is the caller's."""
     ids = jnp.asarray(page_ids, jnp.int32)
     ids = jnp.where(ids >= 0, ids, cache.num_pages)
-    out = {name: getattr(cache, name).at[slot].set(saved[name]) for name in _ROW_FIELDS}
+    out = {name: getattr(cache, name).at[slot].set(saved[name]) for name in ROW_FIELDS}
     out.update({name: getattr(cache, name).at[ids].set(saved[name], mode="drop") for name in HIST_FIELDS})
     return dataclasses.replace(cache, **out)

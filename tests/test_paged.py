@@ -114,6 +114,26 @@ def test_write_prompt_leaves_other_slots_and_pages():
     assert int(after.lengths[1]) == 30
 
 
+def test_insert_keeps_the_shared_pages():
+    """insert(..., keep=[1]) writes a slot's rows and its second page, never its first (a shared
+    prefix page holding those tokens already)."""
+    rng = np.random.default_rng(6)
+    spec = _spec(2, 2)
+    params = _params()
+    pc = dataclasses.replace(paged.PagedCache.init(spec, PAGE, 4), block_table=jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+    k, v = _kv(rng, 2, spec.max_len)
+    pc = paged.write_prompt(pc, np.arange(2), k, v, np.full(2, spec.max_len, np.int32), params)
+    k1, v1 = _kv(rng, 1, spec.max_len)
+    part = updates.write_prompt(oc.OscarCache.init(dataclasses.replace(spec, batch=1), stacked=False), k1, v1,
+                                np.array([spec.max_len], np.int32), params)
+    after = paged.insert(pc, np.array([1]), part, keep=np.array([1]))
+    for name in paged.HIST_FIELDS:
+        before_x, after_x = np.asarray(getattr(pc, name)), np.asarray(getattr(after, name))
+        np.testing.assert_array_equal(after_x[:3], before_x[:3])
+        assert not np.array_equal(after_x[3], before_x[3])
+    np.testing.assert_array_equal(after.sink_k[1], part.sink_k[0])
+
+
 def test_missing_page_is_refused():
     rng = np.random.default_rng(1)
     spec = _spec(2, 2)

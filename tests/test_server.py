@@ -2,7 +2,8 @@
 loopback, driven by the `openai` client, and by raw HTTP for bodies that client cannot send.
 Greedy requests give the same text whether they run alone, streamed or among 32 concurrent
 streams; bad requests get OpenAI-style 4xx errors and the server keeps serving; a client that
-goes away mid-stream frees its sequence; SIGTERM lets a running stream finish and exits 0."""
+goes away mid-stream frees its sequence; two prompts sharing a prefix move the prefix-cache
+metrics; SIGTERM lets a running stream finish, saves the prefix cache and exits 0."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -31,6 +34,7 @@ MAX_TOKENS = 6
 class Server:
     base: str
     proc: subprocess.Popen
+    prefix_dir: Path
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, **kw)
@@ -48,18 +52,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     try:
         registry.model_path(MODEL)
     except registry.ModelNotInstalled:
         pytest.skip("smollm2 package missing: run scripts/setup.sh")
     port = _free_port()
+    prefix_dir = tmp_path_factory.mktemp("serve") / "prefix-cache"
     oscar = [sys.executable, "-c", "from oscar_jax.models.cli import main; main()"]
     proc = subprocess.Popen(
         [*oscar, "serve", "--model", MODEL, "--kv", "oscar", "--port", str(port), "--slots", "8", "--max-len", "1024",
-         "--max-queue", "64", "--max-body-bytes", "65536"],
+         "--max-queue", "64", "--max-body-bytes", "65536", "--page-tokens", "64", "--prefix-cache-dir",
+         str(prefix_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    srv = Server(f"http://127.0.0.1:{port}", proc)
+    srv = Server(f"http://127.0.0.1:{port}", proc, prefix_dir)
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
@@ -180,6 +186,22 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(server):
     assert server.metric("oscar_kv_pages_used") == 0
 
 
+def test_prompts_sharing_a_prefix_move_the_hit_rate(server):
+    """Sink 64 + window 256 + pages of 64: boundaries at 384, 448, ...; a 512-token prompt
+    snapshots at 448, and a second one with the same first 448 tokens restores them."""
+    client = server.client()
+    ids = [int(x) for x in np.random.default_rng(0).integers(100, 40000, 576)]
+    hits, prompts = server.metric("oscar_prefix_cache_hit_tokens_total"), server.metric("oscar_prompt_tokens_total")
+    for prompt in (ids[:512], ids[:448] + ids[512:]):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 30
+    while server.metric("oscar_prompt_tokens_total") < prompts + 1024:
+        assert time.monotonic() < deadline, "the prompt-token metric did not move"
+        time.sleep(0.2)
+    assert server.metric("oscar_prefix_cache_hit_tokens_total") == hits + 448
+    assert 0 < server.metric("oscar_prefix_cache_hit_rate") <= 448 / 1024
+
+
 def test_sigterm_finishes_the_running_stream_then_exits_0(server):
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 20, "temperature": 0, "stream": True}
     lines = []
@@ -193,6 +215,7 @@ def test_sigterm_finishes_the_running_stream_then_exits_0(server):
     assert server.proc.wait(timeout=60) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.base}/health", timeout=2)
+    assert server.prefix_dir.is_dir(), "the prefix cache was not saved at SIGTERM"
 
 
 def test_admission_queue_is_bounded_429_then_drains():

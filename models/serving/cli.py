@@ -22,7 +22,12 @@ def serve(
     max_len: int | None = typer.Option(None, min=2, help="tokens a sequence holds at most (default: the context)"),
     page_tokens: int = typer.Option(256, min=1, help="tokens a KV page holds (OSCAR caches)"),
     num_pages: int | None = typer.Option(None, min=1, help="KV pages in the pool (default: every slot full)"),
-    prefill_chunk: int | None = typer.Option(None, min=1, help="chunked prefill of this many tokens"),
+    prefill_chunk: int | None = typer.Option(None, min=1, help="chunked prefill of this many tokens (with a prefix "
+                                                               "cache: default --page-tokens)"),
+    prefix_cache: bool = typer.Option(False, help="keep prompt prefixes' KV for later prompts (docs/paged.md)"),
+    prefix_cache_dir: Path | None = typer.Option(None, help="restore the prefix cache from DIR at start (if there) "
+                                                           "and save it there at SIGTERM; implies --prefix-cache"),
+    prefix_cache_bytes: int = typer.Option(8 << 30, min=0, help="host memory for prefix-cache snapshots"),
     max_queue: int = typer.Option(256, min=1, help="requests waiting for admission before 429"),
     max_body_bytes: int = typer.Option(1 << 20, min=1024, help="largest request body"),
     dtype: str = typer.Option("float32", help="weights and activations: float32 | bfloat16"),
@@ -51,23 +56,33 @@ def serve(
     if tokenizer is None:  # random weights or an HF directory without tokenizer.json: text as bytes
         console.print(f"{model} has no tokenizer: text is served as UTF-8 bytes, one token a byte", style="yellow")
         tokenizer = api.ByteTokenizer(decoder.cfg.vocab_size)
+    prefix_cache = prefix_cache or prefix_cache_dir is not None
     try:
         engine = Engine(decoder, policy, slots=slots, max_len=max_len, page_tokens=page_tokens,
-                        num_pages=num_pages, prefill_chunk=prefill_chunk)
+                        num_pages=num_pages, prefill_chunk=prefill_chunk or (page_tokens if prefix_cache else None),
+                        prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes)
     except ValueError as e:
         fail(str(e))
+    if prefix_cache_dir is not None and prefix_cache_dir.exists():
+        try:
+            console.print(f"prefix cache: {engine.load_prefix_cache(prefix_cache_dir)} entries from {prefix_cache_dir}",
+                          highlight=False)
+        except ValueError as e:
+            console.print(f"prefix cache not restored, starting cold: {e}", style="yellow", highlight=False)
     source = None if isinstance(tokenizer, api.ByteTokenizer) else tokenizer_lib.read_chat_template(
         registry.model_path(model) if model in registry.MODELS else model)
     token_text = lambda i: tokenizer.tokenizer.id_to_token(i) if i is not None else ""  # a TextTokenizer's
     template = api.ChatTemplate(source, bos=token_text(tokenizer.bos_id),
                                 eos=token_text(tokenizer.eos_ids[0] if tokenizer.eos_ids else None)) if source else None
-    served = server.ServedModel(name or model, engine, tokenizer, template, min(context, engine.capacity))
+    served = server.ServedModel(name or model, engine, tokenizer, template, min(context, engine.capacity),
+                                prefix_cache_dir)
     console.print(f"serving {served.name} ({policy.name} cache, {slots} slots, {max_len} tokens each) "
                   f"on http://{host}:{port}", highlight=False)
     http = uvicorn.Server(uvicorn.Config(server.create_app(served, max_queue=max_queue, max_body_bytes=max_body_bytes),
                                          host=host, port=port, log_level="warning"))
-    # On SIGTERM uvicorn stops accepting, lets the running responses finish, stops the engine,
-    # then raises the signal again for the handler it found: this one, so the exit code is 0.
+    # On SIGTERM uvicorn stops accepting, lets the running responses finish, stops the engine (and
+    # saves the prefix cache), then raises the signal again for the handler it found: this one,
+    # so the exit code is 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     http.run()
     console.print("stopped: every running request finished", highlight=False)

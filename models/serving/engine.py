@@ -22,6 +22,13 @@ every running sequence; `run` steps until every request is done.
   tokens do not depend on what else runs beside it.
 - Preemption: a sequence pushed out for pages is copied to host memory (its slot rows and pages)
   and copied back later bitwise, so a quantised cache's contents never change.
+- Prefix cache (`prefix_cache=True`, docs/paged.md §5): a prompt longer than the first boundary
+  m_1 is prefilled in fixed segments, [0, m_1) in one prefill, then each further page's tokens
+  (m_k = m_1 + (k - 1) * page_tokens) and the rest in extend chunks; its boundaries become
+  entries (pool pages shared by reference count, snapshots of the one-row state), and a later
+  prompt with the same tokens up to m_j starts from entry j's state instead of token 0. The
+  segments do not depend on whether a boundary was a hit, so a request's tokens do not either.
+  `save_prefix_cache` / `load_prefix_cache` keep it on disk (orbax).
 - Compiled shapes: the decode step (one batch), one prefill and insert per bucket, the swap copies;
   `compiles` counts the compilations JAX reports while this engine runs.
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +45,7 @@ import numpy as np
 
 from oscar_jax import paged
 from oscar_jax.models import generate, kv_policy
+from oscar_jax.models.serving import prefix_cache as pc
 from oscar_jax.models.serving.scheduler import Event, Scheduler, Sequence
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -114,13 +123,14 @@ _sample = jax.jit(sample_rows)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state, part, slot, tables):
-    """Put the one-row prefilled state `part` into slot `slot` (its pages: `tables`' row)."""
+def _insert(state, part, slot, tables, keep):
+    """Put the one-row prefilled state `part` into slot `slot` (its pages: `tables`' row; the
+    first `keep` are shared prefix pages, left unwritten)."""
     state = _with_tables(state, tables)
 
     def put(layer, row):
         if isinstance(layer, kv_policy.PagedLayer):
-            return dataclasses.replace(layer, cache=paged.insert(layer.cache, slot[None], row.cache))
+            return dataclasses.replace(layer, cache=paged.insert(layer.cache, slot[None], row.cache, keep[None]))
         leaves, treedef = jax.tree.flatten(layer)  # row's static spec says batch 1: pair the leaves
         return treedef.unflatten([jax.lax.dynamic_update_slice(x, r, (slot,) + (0,) * (x.ndim - 1))
                                   for x, r in zip(leaves, jax.tree.leaves(row))])
@@ -154,18 +164,35 @@ def _write_slot(state, saved, slot, ids, tables):
     return kv_policy.KVState(layers, state.lengths.at[slot].set(length))
 
 
+@dataclasses.dataclass
+class _Fill:
+    """A prompt on its way into its one-row state: `done` tokens in `part`, the extend chunks
+    still to run (`pieces`, lengths in order), the boundaries to snapshot (`snap_at`: prompt
+    length -> boundary k) and the (snapshot, rows) taken there (`taken`), the last logits."""
+
+    part: kv_policy.KVState
+    done: int
+    pieces: list[int]
+    logits: jax.Array | None = None
+    snap_at: dict[int, int] = dataclasses.field(default_factory=dict)
+    taken: dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+
 class Engine:
     """Continuous batching of `Request`s through one decoder (module docstring).
 
     policy: a `kv_policy.QuantPolicy` (paged full-attention layers) or `DensePolicy`; slots: the
     compiled decode batch; max_len: tokens a slot holds at most (rounded up to whole pages);
     page_tokens, num_pages: the pool (OSCAR policies); min_bucket: the shortest prefill length;
-    prefill_chunk, chunks_per_step: chunked prefill (module docstring; C <= the policy's window).
+    prefill_chunk, chunks_per_step: chunked prefill (module docstring; C <= the policy's window);
+    prefix_cache: keep prompt prefixes (needs prefill_chunk dividing page_tokens; dense policies
+    cut them every page_tokens too); prefix_cache_bytes: host memory its snapshots and dense
+    rows may take before unreferenced entries are evicted.
     """
 
     def __init__(self, model, policy, *, slots: int, max_len: int, page_tokens: int = 256,
                  num_pages: int | None = None, min_bucket: int = 16, prefill_chunk: int | None = None,
-                 chunks_per_step: int = 1):
+                 chunks_per_step: int = 1, prefix_cache: bool = False, prefix_cache_bytes: int = 8 << 30):
         if model.values_folded:
             raise ValueError("Engine serves unfolded decoders (decoder.fold_values's pair is not supported yet)")
         cfg = model.cfg
@@ -174,9 +201,9 @@ class Engine:
             raise ValueError(f"prefill_chunk={prefill_chunk}, chunks_per_step={chunks_per_step}: expected >= 1")
         self.chunk, self.chunks_per_step = prefill_chunk, chunks_per_step
         self.paged = isinstance(policy, kv_policy.QuantPolicy) and cfg.count(kv_policy.FULL) > 0
+        self.page_tokens = page_tokens
         if self.paged:
             spec = policy.cache_spec(cfg, slots, max_len, self._chunk)
-            self.page_tokens = page_tokens
             paged.check_page_tokens(spec, page_tokens)
             pages_per_seq = int(paged.pages_for(spec.max_len, spec, page_tokens))
             self.capacity = spec.sink + spec.window + pages_per_seq * page_tokens
@@ -186,7 +213,8 @@ class Engine:
         else:
             self.capacity, self.num_pages, self._spec = max_len, 0, None
             self.tables = np.full((slots, 1), paged.NO_PAGE, np.int32)
-        self.scheduler = Scheduler(slots, self.num_pages, self._pages_for, self.capacity)
+        self.prefix = self._prefix_cache(prefix_cache_bytes) if prefix_cache else None
+        self.scheduler = Scheduler(slots, self.num_pages, self._pages_for, self.capacity, self.prefix)
         powers = (1 << i for i in range(max(min_bucket - 1, 0).bit_length(), self.capacity.bit_length()))
         self.buckets = tuple(t for t in powers if t < self.capacity) + (self.capacity,)  # prefill lengths
         self.state = self._init_state()
@@ -195,11 +223,33 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._next_token: dict[int, int] = {}
         self._swapped: dict[int, object] = {}
-        self._prefilling: dict[int, tuple[kv_policy.KVState, int]] = {}  # rid -> (one-row state, tokens in)
+        self._prefilling: dict[int, _Fill] = {}
         self._empty_parts: dict[int, kv_policy.KVState] = {}  # prefill rows -> an empty one-row state
         self.pages_used: list[int] = []  # pages in use after each step
         self.preemptions = 0
+        self.prompt_tokens = 0  # prompt tokens of the requests whose prefill started
+        self.prefix_hit_tokens = 0  # of those, the tokens restored from the prefix cache (not prefilled)
+        # Wall time of the steps' scheduling, swaps and prefill work, and of their decode steps
+        # (with the tokens those generated): the decode phase's throughput apart from prefill.
+        self.prefill_seconds = self.decode_seconds = 0.0
+        self.decode_tokens = 0
         self._compiles_at_start = _COMPILES[0]
+
+    def _prefix_cache(self, host_bytes: int) -> pc.PrefixCache:
+        if not (self.paged or isinstance(self.policy, kv_policy.DensePolicy)):
+            raise ValueError(f"prefix_cache=True serves OSCAR (paged) and dense policies, not {self.policy.name!r}")
+        if self.chunk is None or self.page_tokens % self.chunk:
+            raise ValueError(f"prefix_cache=True needs prefill_chunk dividing page_tokens={self.page_tokens} "
+                             f"(got prefill_chunk={self.chunk}): prompts are prefilled a page at a time")
+        self._first_bound = self.page_tokens + (self._spec.sink + self._spec.window if self.paged else 0)
+        layout = {"page_tokens": self.page_tokens, "chunk": self.chunk, "capacity": self.capacity,
+                  "first": self._first_bound}
+        return pc.PrefixCache(pc.salt(self.model, self.policy, layout), None, host_bytes)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens restored from the prefix cache / prompt tokens prefilled or restored."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def compiles(self) -> int:
@@ -241,7 +291,8 @@ class Engine:
         if not all(0 <= t < vocab for t in request.prompt):
             raise ValueError(f"request prompt holds ids outside [0, vocab_size={vocab})")
         rid = len(self.requests)
-        self._seqs[rid] = self.scheduler.submit(rid, len(request.prompt), request.max_tokens)
+        keys = self.prefix.keys(request.prompt, self.prefix_bounds(len(request.prompt))) if self.prefix else ()
+        self._seqs[rid] = self.scheduler.submit(rid, len(request.prompt), request.max_tokens, keys)
         self.requests[rid] = request
         self.results[rid] = Result([])
         return rid
@@ -270,14 +321,58 @@ class Engine:
             self.step()
         return self.results
 
+    # ------------------------------------------------------------------ the prefix cache on disk
+
+    def save_prefix_cache(self, path) -> int:
+        """Write the prefix cache to the directory `path` (orbax; replaced if there): its entries'
+        keys, pages, snapshots and rows. Returns the entries written."""
+        if self.prefix is None:
+            raise ValueError("save_prefix_cache: this engine has no prefix cache (prefix_cache=False)")
+        entries = self.prefix.chains()
+        pages = jax.device_get(pc.read_pages(self.state, jnp.asarray([e.page for e in entries], jnp.int32))) \
+            if self.paged and entries else None
+        pc.save(path, self.prefix.salt, entries, pages)
+        return len(entries)
+
+    def load_prefix_cache(self, path) -> int:
+        """Fill this engine's empty prefix cache from `save_prefix_cache`'s directory `path`: as
+        many entries as the free pages hold, the most recently used, all unreferenced. Returns
+        the entries loaded. ValueError: no prefix cache here, requests taken already, or a cache
+        saved for another model, weights, policy, calibration or engine layout."""
+        if self.prefix is None:
+            raise ValueError("load_prefix_cache: this engine has no prefix cache (prefix_cache=False)")
+        if self.requests or self.prefix.entries:
+            raise ValueError("load_prefix_cache: only into an engine that has taken no request yet")
+        metas, arrays = pc.load(path, self.prefix.salt)
+        first = max(0, len(metas) - self.scheduler.allocator.num_free) if self.paged else 0
+        reachable: set[str] = set()
+        for i in sorted(range(first, len(metas)), key=lambda i: metas[i]["depth"]):
+            if metas[i]["parent"] is None or metas[i]["parent"] in reachable:
+                reachable.add(metas[i]["key"])
+        keep = [i for i in range(first, len(metas)) if metas[i]["key"] in reachable]
+        pages: list = [None] * len(keep)
+        if self.paged and keep:
+            pages = self.scheduler.allocator.allocate(len(keep))
+            self.state = pc.write_pages(self.state, jnp.asarray(pages, jnp.int32),
+                                        jax.tree.map(lambda x: x[np.asarray(keep)], arrays["pages"]))
+        for i, page in zip(keep, pages):
+            m = metas[i]
+            self.prefix.add(bytes.fromhex(m["key"]), bytes.fromhex(m["parent"]) if m["parent"] else None, m["depth"],
+                            page, arrays.get("snapshots", {}).get(str(i)), arrays.get("rows", {}).get(str(i)), refs=0)
+        return len(keep)
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> None:
         """One round: the scheduler's events (swaps, admissions with their prefill, new pages),
         then one decode step of every running sequence."""
+        start = time.perf_counter()
         for event in self.scheduler.schedule():
             self._apply(event)
         self._prefill_chunks()
+        jax.block_until_ready([fill.part for fill in self._prefilling.values()])
+        decode_start = time.perf_counter()
+        self.prefill_seconds += decode_start - start
         running = [s for s in self.scheduler.running if s.rid in self._next_token]
         if running:
             b = self.slots
@@ -292,6 +387,8 @@ class Engine:
                                       jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds),
                                       jnp.asarray(counts))
             nxt = np.asarray(nxt)
+            self.decode_seconds += time.perf_counter() - decode_start
+            self.decode_tokens += len(running)
             for seq in running:
                 self.scheduler.advance(seq)
                 self._emit(seq, int(nxt[seq.slot]))
@@ -329,47 +426,112 @@ class Engine:
     def _bucket(self, n: int) -> int:
         return next(t for t in self.buckets if t >= n)
 
-    def _prefill(self, seq: Sequence) -> None:
-        """Prefill seq's prompt (its first 1..C tokens when chunked; `_prefill_chunks` does the rest)."""
-        req = self.requests[seq.rid]
-        n = len(req.prompt)
-        head = n if self.chunk is None else n - (n - 1) // self.chunk * self.chunk
-        bucket = self._bucket(n)
+    def prefix_bounds(self, n: int) -> list[int]:
+        """The prefix-cache boundaries m_1 < m_2 < ... below a prompt of n tokens."""
+        return list(range(self._first_bound, n, self.page_tokens))
+
+    def _empty_part(self, bucket: int) -> kv_policy.KVState:
+        """A fresh one-row state for a prompt of up to `bucket` tokens (a copy: prefill donates it)."""
         rows = self._pages_for(bucket) * self.page_tokens + self._spec.sink + self._spec.window if self.paged \
             else bucket
-        tokens = np.zeros((1, self._bucket(head)), np.int32)
-        tokens[0, :head] = req.prompt[:head]
         if rows not in self._empty_parts:  # building a state costs far more than copying one
             self._empty_parts[rows] = generate.init_state(self.model, self.policy, 1, rows, self._chunk)
-        part = jax.tree.map(jnp.copy, self._empty_parts[rows])  # prefill donates it
-        logits, part = generate.prefill(self.model, part, tokens, np.array([head], np.int32))
-        if head < n:
-            self._prefilling[seq.rid] = (part, head)
+        return jax.tree.map(jnp.copy, self._empty_parts[rows])
+
+    def _prefill_head(self, part: kv_policy.KVState, head) -> tuple[jax.Array, kv_policy.KVState]:
+        """`head` (the first prompt tokens) through one prefill, right-padded to a bucket."""
+        tokens = np.zeros((1, self._bucket(len(head))), np.int32)
+        tokens[0, :len(head)] = head
+        return generate.prefill(self.model, part, tokens, np.array([len(head)], np.int32))
+
+    def _pieces(self, n: int) -> list[int]:
+        """Extend chunks for n tokens: chunks of C, then the rest in descending powers of two
+        (few compiled chunk shapes whatever n is)."""
+        c = self.chunk
+        return [c] * (n // c) + [1 << b for b in reversed(range(c.bit_length())) if (n % c) >> b & 1]
+
+    def _prefill(self, seq: Sequence) -> None:
+        """Start seq's prefill: its first tokens (1..C when chunked, [0, m_1) or a prefix-cache
+        hit with the prefix cache) now; `_prefill_chunks` runs the rest."""
+        prompt = self.requests[seq.rid].prompt
+        n = len(prompt)
+        self.prompt_tokens += n
+        if seq.keys:
+            fill = self._prefix_fill(seq)
         else:
-            self._enter(seq, part, logits)
+            head = n if self.chunk is None else n - (n - 1) // self.chunk * self.chunk
+            logits, part = self._prefill_head(self._empty_part(self._bucket(n)), prompt[:head])
+            fill = _Fill(part, head, [self.chunk] * ((n - head) // self.chunk) if self.chunk else [], logits)
+        if fill.pieces:
+            self._prefilling[seq.rid] = fill
+        else:
+            self._enter(seq, fill)
+
+    def _prefix_fill(self, seq: Sequence) -> _Fill:
+        """The fixed segments of a prompt past m_1: [0, m_1) in one prefill, or entry j's state
+        on a hit (its pages and snapshot); then pages of C-token chunks up to the last boundary
+        m_K, then the rest. Snapshots are taken at m_K and, where seq shares entries past the
+        one it restores (a branch point: no snapshot there yet), at the last shared one; dense
+        policies take every boundary's (their entries hold their rows)."""
+        prompt, bounds = self.requests[seq.rid].prompt, self.prefix_bounds(len(self.requests[seq.rid].prompt))
+        part, j, last = self._empty_part(self.capacity), seq.restored, bounds[-1]
+        if j:
+            part, done, logits = self._restore(seq, part), bounds[j - 1], None
+            self.prefix_hit_tokens += done
+        else:
+            (logits, part), done = self._prefill_head(part, prompt[:bounds[0]]), bounds[0]
+        due = range(j + 1, len(bounds) + 1) if not self.paged else {len(bounds)} | (
+            {seq.shared} if seq.shared > j else set())
+        fill = _Fill(part, done, [self.chunk] * ((last - done) // self.chunk) + self._pieces(len(prompt) - last),
+                     logits, {bounds[k - 1]: k for k in due})
+        self._snapshot_if_due(fill)
+        return fill
+
+    def _restore(self, seq: Sequence, part: kv_policy.KVState) -> kv_policy.KVState:
+        """`part` as it was at boundary `seq.restored` of seq's prompt: the snapshot of that entry,
+        the pages (OSCAR) or rows (dense) of it and its parents."""
+        entries = [self.prefix.entries[key] for key in seq.keys[:seq.restored]]
+        part = pc.with_snapshot(part, entries[-1].snapshot)
+        if self.paged:
+            ids = np.full(self.tables.shape[1], paged.NO_PAGE, np.int32)
+            ids[:len(entries)] = [e.page for e in entries]
+            return pc.with_pages(self.state, part, jnp.asarray(ids))
+        for k, entry in enumerate(entries):
+            part = pc.with_rows(part, entry.rows, jnp.int32(k * self.page_tokens))
+        return part
+
+    def _snapshot_if_due(self, fill: _Fill) -> None:
+        k = fill.snap_at.get(fill.done)
+        if k is not None:
+            rows = None if self.paged else jax.device_get(
+                pc.take_rows(fill.part, jnp.int32(fill.done - self.page_tokens), self.page_tokens))
+            fill.taken[k] = (jax.device_get(pc.take_snapshot(fill.part)), rows)
 
     def _prefill_chunks(self) -> None:
         """Up to `chunks_per_step` prompt chunks of the prefilling sequences that hold a slot."""
         budget = self.chunks_per_step
         for rid in list(self._prefilling):
-            seq = self._seqs[rid]
-            while budget and seq.slot is not None and rid in self._prefilling:
-                part, done = self._prefilling[rid]
-                prompt = self.requests[rid].prompt
-                logits, part = generate.extend(self.model, part, np.asarray([prompt[done:done + self.chunk]], np.int32))
+            seq, fill, prompt = self._seqs[rid], self._prefilling[rid], self.requests[rid].prompt
+            while budget and seq.slot is not None and fill.pieces:
+                c = fill.pieces.pop(0)
+                logits, fill.part = generate.extend(self.model, fill.part,
+                                                    np.asarray([prompt[fill.done:fill.done + c]], np.int32))
+                fill.done, fill.logits = fill.done + c, logits[:, -1]
                 budget -= 1
-                done += self.chunk
-                if done < len(prompt):
-                    self._prefilling[rid] = (part, done)
-                else:
-                    del self._prefilling[rid]
-                    self._enter(seq, part, logits[:, -1])
+                self._snapshot_if_due(fill)
+            if not fill.pieces and seq.slot is not None:
+                del self._prefilling[rid]
+                self._enter(seq, fill)
 
-    def _enter(self, seq: Sequence, part: kv_policy.KVState, logits: jax.Array) -> None:
-        """Insert seq's prefilled one-row state into its slot; its first token from `logits` [1, V]."""
+    def _enter(self, seq: Sequence, fill: _Fill) -> None:
+        """Insert seq's prefilled one-row state into its slot (its shared pages left as they are),
+        its boundaries into the prefix cache; its first token from the last logits [1, V]."""
         req = self.requests[seq.rid]
-        self.state = _insert(self.state, part, jnp.int32(seq.slot), jnp.asarray(self.tables))
-        first = _sample(logits, jnp.asarray([req.temperature], jnp.float32), jnp.asarray([req.top_p], jnp.float32),
+        self.state = _insert(self.state, fill.part, jnp.int32(seq.slot), jnp.asarray(self.tables),
+                             jnp.int32(seq.shared))
+        if seq.keys:
+            self.scheduler.cache_prefix(seq, fill.taken)
+        first = _sample(fill.logits, jnp.asarray([req.temperature], jnp.float32), jnp.asarray([req.top_p], jnp.float32),
                         jnp.asarray([req.seed], jnp.int32), jnp.zeros((1,), jnp.int32))
         self._emit(seq, int(first[0]))
 

@@ -12,6 +12,14 @@ events `schedule` returns on the device. Rules, in order, once per step:
 3. only when none is left swapped out, waiting requests are admitted (first come, first
    served) while a slot and the pages for their prompt and first generated token are free.
 
+With a prefix cache (`prefix_cache.PrefixCache`), pages held only by cached entries count as
+free: they are evicted, least recently used first, when the free list runs out, before any
+sequence is swapped out. An admitted request takes the cached entries its prompt's keys match
+(`Sequence.shared` leading pages, never written by it) and starts its prefill from the deepest
+one with a snapshot (`Sequence.restored`); `cache_prefix` adds its own after its prefill. A
+sequence leaving (done, cancelled or swapped out) drops its references; a swapped-out one
+comes back with private copies of all its pages.
+
 A request that could never be held (more tokens than a slot holds, or more pages than the
 pool) is refused at `submit`, so every admitted sequence can always finish: swapping out all
 younger sequences frees the whole pool for the oldest.
@@ -22,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from oscar_jax.models.serving.prefix_cache import PrefixCache
 from oscar_jax.paged import PageAllocator
 
 
@@ -37,6 +46,10 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     admitted: int = -1  # admission counter (order of entry into the running set)
+    keys: tuple[bytes, ...] = ()  # its prompt's prefix-cache keys, one per boundary m_k < prompt_len
+    shared: int = 0  # leading pages that are cached entries' (this sequence never writes them)
+    restored: int = 0  # boundaries its prefill restores from the cache (0: prefilled from the start)
+    held: list[bytes] = dataclasses.field(default_factory=list)  # entries it holds a reference on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +68,15 @@ class Event:
 class Scheduler:
     """slots: sequences decoded together (the compiled batch); num_pages: the pool (0: no paged
     layers, slots only); pages_for(length) -> pages a sequence of that many tokens holds;
-    capacity: the most tokens one slot holds."""
+    capacity: the most tokens one slot holds; prefix: a `PrefixCache` over `allocator` (None: off)."""
 
-    def __init__(self, slots: int, num_pages: int, pages_for: Callable[[int], int], capacity: int):
+    def __init__(self, slots: int, num_pages: int, pages_for: Callable[[int], int], capacity: int,
+                 prefix: PrefixCache | None = None):
         self.slots = slots
         self.allocator = PageAllocator(num_pages) if num_pages else None
+        self.prefix = prefix
+        if prefix is not None:
+            prefix.allocator = self.allocator
         self.pages_for = pages_for if num_pages else (lambda n: 0)
         self.capacity = capacity
         self.waiting: list[Sequence] = []
@@ -70,9 +87,14 @@ class Scheduler:
 
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free if self.allocator else 0
+        """Pages free or held only by cached prefix entries (evicted on demand)."""
+        return self.num_cached_pages + (self.allocator.num_free if self.allocator else 0)
 
-    def submit(self, rid: int, prompt_len: int, max_tokens: int) -> Sequence:
+    @property
+    def num_cached_pages(self) -> int:
+        return self.prefix.num_cached_pages if self.prefix and self.allocator else 0
+
+    def submit(self, rid: int, prompt_len: int, max_tokens: int, keys: tuple[bytes, ...] = ()) -> Sequence:
         """Queue a request; ValueError if it can never be held."""
         if prompt_len < 1 or max_tokens < 1:
             raise ValueError(f"request {rid}: prompt of {prompt_len} tokens and max_tokens={max_tokens}: "
@@ -85,11 +107,13 @@ class Scheduler:
         if self.pages_for(most) > total:
             raise ValueError(f"request {rid} can never fit: it needs {self.pages_for(most)} pages and the pool "
                              f"has {total}")
-        seq = Sequence(rid, prompt_len, max_tokens)
+        seq = Sequence(rid, prompt_len, max_tokens, keys=tuple(keys))
         self.waiting.append(seq)
         return seq
 
     def _take(self, n: int) -> list[int]:
+        if n and self.prefix and n > self.allocator.num_free:
+            self.prefix.evict(pages=n - self.allocator.num_free)
         return self.allocator.allocate(n) if n else []
 
     def _enter(self, seq: Sequence, length: int) -> None:
@@ -125,25 +149,66 @@ class Scheduler:
             seq = self.swapped.pop(0)
             self._enter(seq, seq.length + 1)
             events.append(Event("swap_in", seq))
-        while not self.swapped and self.waiting and self._fits(self.waiting[0].prompt_len + 1):
-            seq = self.waiting.pop(0)
+        while not self.swapped and self.waiting:
+            seq = self.waiting[0]
+            shared, restored = self.prefix.match(seq.keys) if self.prefix else (0, 0)
+            if not self.allocator:
+                shared = restored  # no pages to share: only what a snapshot restores
+            pinned = self.prefix.cached_pages_among(seq.keys[:shared]) if self.prefix and self.allocator else 0
+            first = seq.prompt_len + (seq.max_tokens > 1)  # the first decode step's tokens (none: done at prefill)
+            if not self._fits(first, held=shared - pinned):
+                break
+            self.waiting.pop(0)
+            entries = [self.prefix.acquire(key) for key in seq.keys[:shared]]
+            seq.held, seq.shared, seq.restored = list(seq.keys[:shared]), shared, restored
+            seq.pages = [e.page for e in entries] if self.allocator else []
             seq.length = seq.prompt_len
-            self._enter(seq, seq.prompt_len + 1)
+            self._enter(seq, first)
             events.append(Event("admit", seq))
         return events
+
+    def cache_prefix(self, seq: Sequence, taken: dict[int, tuple]) -> None:
+        """After seq's prefill wrote its pages: every boundary of its prompt becomes an entry
+        held by seq (one that exists already is referenced, its page left as it is and seq's
+        own copy kept private); `taken` maps a boundary k to the (snapshot, rows) seq's prefill
+        took there, given to a new entry or to an existing one without a snapshot."""
+        held = set(seq.held)
+        for k, key in enumerate(seq.keys, 1):
+            snapshot, rows = taken.get(k, (None, None))
+            entry = self.prefix.entries.get(key)
+            if entry is None:
+                parent = seq.keys[k - 2] if k > 1 else None
+                if parent is not None and parent not in self.prefix.entries:
+                    return  # its parent was evicted (seq was swapped out meanwhile): the chain ends
+                if not self.allocator and rows is None:
+                    return  # a dense entry is its rows
+                page = seq.pages[k - 1] if self.allocator else None
+                self.prefix.add(key, parent, k, page, snapshot, rows)
+                seq.held.append(key)
+                continue
+            if key not in held:
+                self.prefix.acquire(key)
+                seq.held.append(key)
+            if entry.snapshot is None and snapshot is not None:
+                self.prefix.attach(entry, snapshot)
 
     def advance(self, seq: Sequence) -> None:
         """One more token in seq's cache (a decode step fed it)."""
         seq.length += 1
 
     def finish(self, seq: Sequence) -> None:
-        """seq leaves the running set (done, or swapped out): its slot and pages are free."""
+        """seq leaves the running set (done, or swapped out): its slot and its own pages are
+        free, its cached entries lose its reference."""
         self.running.remove(seq)
-        if seq.pages:
-            self.allocator.free(seq.pages)
+        entry_pages = {self.prefix.entries[k].page for k in seq.held} if seq.held else set()
+        own = [p for p in seq.pages if p not in entry_pages]
+        if own:
+            self.allocator.free(own)
+        if seq.held:
+            self.prefix.release(seq.held)
         self._free_slots.append(seq.slot)
         self._free_slots.sort()
-        seq.slot, seq.pages = None, []
+        seq.slot, seq.pages, seq.held, seq.shared = None, [], [], 0
 
     def cancel(self, seq: Sequence) -> None:
         """Drop seq wherever it is (waiting, running or swapped out); its slot and pages are free."""
@@ -155,4 +220,5 @@ class Scheduler:
             self.swapped.remove(seq)
 
     def pages_in_use(self) -> int:
-        return sum(len(s.pages) for s in self.running)
+        """Pages held by running sequences (a shared one once) or by entries they reference."""
+        return self.allocator.num_used - self.num_cached_pages if self.allocator else 0

@@ -6,7 +6,8 @@ request its new tokens through its asyncio queue, so the event loop never waits 
 step. A streaming response cancels its request when the client goes away (its slot and pages
 are freed). Admission is bounded: with `max_queue` requests waiting, a new one gets 429 and a
 Retry-After. On SIGTERM uvicorn stops accepting connections and lets the running responses
-finish; then the engine thread stops.
+finish; then the engine thread stops and the prefix cache, if the server keeps one on disk,
+is saved there.
 
     POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models,
     GET /health, GET /metrics (Prometheus)
@@ -22,6 +23,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import jax
@@ -69,6 +71,12 @@ class Metrics:
                                    buckets=buckets, registry=self.registry)
         self.requests = prom.Counter("oscar_requests", "requests by outcome", ["finish"], registry=self.registry)
         self.tokens = prom.Counter("oscar_generated_tokens", "tokens generated", registry=self.registry)
+        self.prompt_tokens = prom.Counter("oscar_prompt_tokens", "prompt tokens prefilled or restored from the "
+                                          "prefix cache", registry=self.registry)
+        self.hit_tokens = prom.Counter("oscar_prefix_cache_hit_tokens", "prompt tokens restored from the prefix "
+                                       "cache instead of prefilled", registry=self.registry)
+        self.hit_rate = gauge("oscar_prefix_cache_hit_rate", "prefix-cache hit tokens / prompt tokens since start")
+        self.pages_cached = gauge("oscar_kv_pages_cached", "KV pages held only by the prefix cache (evictable)")
 
 
 class EngineLoop:
@@ -79,6 +87,7 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[int, _Job] = {}
         self._pending = 0  # submitted, not yet admitted by the engine
+        self._counted = (0, 0)  # the engine's prompt and prefix-hit tokens the metrics hold
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="oscar-engine", daemon=True)
@@ -178,20 +187,27 @@ class EngineLoop:
         m.running.set(len(s.running))
         m.swapped.set(len(s.swapped))
         m.pages_used.set(s.pages_in_use())
-        m.pages_free.set(s.num_free_pages)
+        m.pages_free.set(s.num_free_pages - s.num_cached_pages)
+        m.pages_cached.set(s.num_cached_pages)
+        e = self.engine
+        m.prompt_tokens.inc(e.prompt_tokens - self._counted[0])
+        m.hit_tokens.inc(e.prefix_hit_tokens - self._counted[1])
+        self._counted = (e.prompt_tokens, e.prefix_hit_tokens)
+        m.hit_rate.set(e.prefix_hit_rate)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
     """What the server answers for: `name` (the id clients send), the engine, the tokenizer
-    (`encode(text)`, `decode(ids)`, `eos_ids`), the chat template (None: no chat) and the
-    model's context length."""
+    (`encode(text)`, `decode(ids)`, `eos_ids`), the chat template (None: no chat), the
+    model's context length and the directory the prefix cache is saved to at shutdown."""
 
     name: str
     engine: Engine
     tokenizer: Any
     chat_template: api.ChatTemplate | None
     context: int
+    prefix_cache_dir: Path | None = None  # where the prefix cache is saved at shutdown
 
 
 def create_app(served: ServedModel, *, max_queue: int = 256, max_body_bytes: int = 1 << 20) -> FastAPI:
@@ -205,6 +221,8 @@ def create_app(served: ServedModel, *, max_queue: int = 256, max_body_bytes: int
         loop_box["engine"].start()
         yield
         loop_box["engine"].stop()
+        if served.prefix_cache_dir is not None:
+            served.engine.save_prefix_cache(served.prefix_cache_dir)
 
     app = FastAPI(title="oscar serve", lifespan=lifespan)
     engine_loop = lambda: loop_box["engine"]

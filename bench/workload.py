@@ -1,0 +1,236 @@
+"""The serving engine under a Poisson workload: requests/s, output tokens/s, TTFT/TPOT, pages.
+
+    python bench/workload.py --kv bf16,fp8,oscar --prefix-cache off,on --rate 0.5 \\
+        --out bench/results/h100/workload_llama3-8b.json            # Llama-3-8B shape, one GPU
+    python bench/workload.py --model tiny --scale 0.002 --requests 16 --out /tmp/w.json   # CPU
+
+`--requests` requests arrive as a Poisson process of `--rate` requests/s (exponential gaps,
+seeded). Prompt lengths are uniform in `--prompt-tokens`; a `--shared-fraction` of the
+requests start with one common `--shared-prefix`-token prefix (their lengths uniform from
+just past the prefix to the top of the range), the rest are random ids throughout. Output
+lengths are uniform in `--output-tokens`, greedy, no stop ids. Every length is multiplied
+by `--scale` (a tiny model on the CPU runs the same workload shape in seconds).
+
+Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process, with random
+weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
+slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
+Both modes prefill in chunks of a page (the window where shorter), so on and off differ by
+the cache only. A
+warm-up (a prompt per prefill bucket, and for the prefix cache one that compiles its chunk
+shapes) runs first, so no timed step compiles. Recorded per run: requests/s and output
+tokens/s end to end (first arrival to last finish), decode-phase output tokens/s (tokens of
+the decode steps over their wall time, prefill excluded), TTFT and TPOT p50/p99 (TTFT from
+the arrival), prefill tokens computed and restored from the prefix cache, the share of the
+shared-prefix tokens the cache restored, preemptions, and pages in use over time. JSON and
+a PNG of pages in use beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from oscar_jax import paged
+from oscar_jax.models import kv_policy, registry, results
+from oscar_jax.models.config import ModelConfig
+from oscar_jax.models.decoder import Decoder
+from oscar_jax.models.serving import Engine, Request
+
+TINY = ModelConfig(family="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=32, rms_eps=1e-6, rope_theta=1e4, layer_types=("full_attention",) * 2)
+# The tiny model's OSCAR cache and pages, scaled down with it: sink 4, window 8, pages of 16 tokens.
+TINY_OSCAR = kv_policy.QuantPolicy("oscar", kv_policy.QuantConfig(bits=2), 4, 8, clip_k=0.96, clip_v=0.92)
+
+
+def workload(args, rng: np.random.Generator, vocab: int) -> tuple[list[tuple[float, Request]], int]:
+    """(arrival seconds, request) pairs in arrival order, and how many start with the shared prefix."""
+    scaled = lambda lo_hi: tuple(max(1, round(int(x) * args.scale)) for x in lo_hi.split(","))
+    (lo, hi), (out_lo, out_hi) = scaled(args.prompt_tokens), scaled(args.output_tokens)
+    shared_len = max(1, round(args.shared_prefix * args.scale))
+    shared = rng.integers(0, vocab, shared_len).tolist()
+    arrivals = np.cumsum(rng.exponential(1 / args.rate, args.requests))
+    out, sharing = [], 0
+    for t in arrivals:
+        if rng.random() < args.shared_fraction:
+            n = int(rng.integers(max(lo, shared_len + 1), max(hi, shared_len + 1) + 1))
+            prompt = shared + rng.integers(0, vocab, n - shared_len).tolist()
+            sharing += 1
+        else:
+            prompt = rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist()
+        out.append((float(t), Request(tuple(prompt), int(rng.integers(out_lo, out_hi + 1)))))
+    return out, sharing
+
+
+def page_bytes(policy, cfg, max_len: int, chunk: int, page: int) -> int:
+    """Bytes of one pool page over every full-attention layer (codes and metadata)."""
+    total = 0
+    for j in range(cfg.count(kv_policy.FULL)):
+        spec = policy.cache_spec(cfg, 1, max_len, chunk, j)
+        spec = dataclasses.replace(spec, max_len=spec.sink + spec.window + page)
+        shapes = jax.eval_shape(lambda spec=spec: paged.PagedCache.init(spec, page, 1))
+        total += sum(math.prod(getattr(shapes, f).shape) * getattr(shapes, f).dtype.itemsize
+                     for f in paged.HIST_FIELDS)
+    return total
+
+
+def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int) -> Engine:
+    """The engine of one run: slots and pages from the KV budget (module docstring)."""
+    tiny = args.model == "tiny"
+    policy = TINY_OSCAR if tiny and kv == "oscar" else kv_policy.make_policy(kv)
+    page = max(16, round(args.page_tokens * args.scale)) if tiny else args.page_tokens
+    chunk = min(page, policy.window) if isinstance(policy, kv_policy.QuantPolicy) else page
+    budget = args.kv_gib * 2**30
+    if isinstance(policy, kv_policy.QuantPolicy):
+        pages = max(1, int(budget // page_bytes(policy, cfg, max_len, chunk, page)))
+        return Engine(model, policy, slots=args.oscar_slots, max_len=max_len, page_tokens=page, num_pages=pages,
+                      prefill_chunk=chunk, prefix_cache=prefix)
+    token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(policy.dtype).itemsize
+    slots = max(1, int(budget // (token_bytes * max_len)))
+    return Engine(model, policy, slots=slots, max_len=max_len, page_tokens=page, prefill_chunk=chunk,
+                  prefix_cache=prefix)
+
+
+def warm_up(engine: Engine, lo: int, hi: int, vocab: int, rng: np.random.Generator) -> None:
+    """A prompt per prefill bucket in [lo, hi] (and with the prefix cache, one whose segments
+    use every extend chunk shape, twice: the second restores it), two tokens each."""
+    lengths = sorted({b for b in engine.buckets if lo <= b <= hi} | {lo, hi})
+    bounds = engine.prefix_bounds(engine.capacity) if engine.prefix is not None else []
+    if bounds:
+        n = bounds[0] + engine.page_tokens + engine.chunk - 1
+        lengths += [n, n] if n + 2 <= engine.capacity else []
+    prompt = rng.integers(0, vocab, max(lengths)).tolist()
+    for n in lengths:
+        engine.submit(Request(tuple(prompt[:n]), 2))
+        engine.run()
+
+
+def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, shared: int) -> dict:
+    """The timed run of `requests` (arrival seconds, request) -> its row."""
+    base = {k: getattr(engine, k) for k in ("prompt_tokens", "prefix_hit_tokens", "prefill_seconds",
+                                            "decode_seconds", "decode_tokens", "preemptions")}
+    first_rid = len(engine.requests)
+    arrival, first, finish, pages = {}, {}, {}, []
+    pending = list(requests)
+    start = time.perf_counter()
+    while pending or not engine.done():
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            t, req = pending.pop(0)
+            arrival[engine.submit(req)] = t
+        if engine.done():
+            time.sleep(min(0.05, max(0.0, pending[0][0] - now)))
+            continue
+        engine.step()
+        now = time.perf_counter() - start
+        pages.append((now, engine.scheduler.pages_in_use()))
+        for rid in arrival:
+            result = engine.results[rid]
+            if result.tokens and rid not in first:
+                first[rid] = now
+            if result.finish is not None and rid not in finish:
+                finish[rid] = now
+    rids = range(first_rid, len(engine.requests))
+    out_tokens = {rid: len(engine.results[rid].tokens) for rid in rids}
+    ttft = [first[r] - arrival[r] for r in rids]
+    tpot = [(finish[r] - first[r]) / (out_tokens[r] - 1) for r in rids if out_tokens[r] > 1]
+    span = max(finish.values()) - min(arrival.values())
+    d = {k: getattr(engine, k) - v for k, v in base.items()}
+    pct = lambda xs, q: float(np.percentile(xs, q))
+    return {"kv": engine.policy.name, "prefix_cache": engine.prefix is not None, "slots": engine.slots,
+            "num_pages": engine.num_pages, "page_tokens": engine.page_tokens, "requests": len(rids),
+            "makespan_s": span, "requests_per_s": len(rids) / span, "output_tokens": sum(out_tokens.values()),
+            "output_tokens_per_s": sum(out_tokens.values()) / span,
+            "decode_output_tokens_per_s": d["decode_tokens"] / d["decode_seconds"] if d["decode_seconds"] else None,
+            "prefill_seconds": d["prefill_seconds"], "decode_seconds": d["decode_seconds"],
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50) if tpot else None, "tpot_p99_s": pct(tpot, 99) if tpot else None,
+            "prompt_tokens": d["prompt_tokens"], "prefix_hit_tokens": d["prefix_hit_tokens"],
+            "prefill_tokens_computed": d["prompt_tokens"] - d["prefix_hit_tokens"],
+            "shared_prefix_tokens": shared * shared_len,
+            "shared_prefix_restored": d["prefix_hit_tokens"] / (shared * shared_len) if shared else None,
+            "preemptions": d["preemptions"], "compiles_timed": None, "pages_in_use": pages}
+
+
+def plot(rows: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in rows:
+        if r["num_pages"]:
+            t, p = zip(*r["pages_in_use"]) if r["pages_in_use"] else ((), ())
+            ax.plot(t, p, label=f"{r['kv']}, prefix cache {'on' if r['prefix_cache'] else 'off'}")
+    ax.set(xlabel="seconds since the first arrival", ylabel="KV pages in use", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama3-8b", help="a config-only architecture (random weights) or 'tiny'")
+    p.add_argument("--kv", default="bf16,fp8,oscar", help="KV schemes, comma-separated")
+    p.add_argument("--prefix-cache", default="off,on", help="off, on or off,on")
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, requests per second")
+    p.add_argument("--prompt-tokens", default="4096,32768", help="LO,HI: prompt lengths uniform in [LO, HI]")
+    p.add_argument("--shared-prefix", type=int, default=8192, help="tokens of the common prefix")
+    p.add_argument("--shared-fraction", type=float, default=0.5, help="share of the requests that start with it")
+    p.add_argument("--output-tokens", default="512,2048", help="LO,HI: output lengths uniform in [LO, HI]")
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies every length (prompts, prefix, outputs)")
+    p.add_argument("--kv-gib", type=float, default=48.0, help="KV memory budget per run")
+    p.add_argument("--oscar-slots", type=int, default=64, help="decode batch of the OSCAR runs")
+    p.add_argument("--page-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16", help="weights and activations: bfloat16 | float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True, help="JSON path (a .png is written beside it)")
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.rate <= 0 or not 0 <= args.shared_fraction <= 1 or args.scale <= 0:
+        sys.exit("--requests >= 1, --rate > 0, --shared-fraction in [0, 1] and --scale > 0 expected")
+    modes = {"off": False, "on": True}
+    if any(m not in modes for m in args.prefix_cache.split(",")):
+        sys.exit(f"--prefix-cache {args.prefix_cache!r}: expected off, on or off,on")
+    if args.model == "tiny":
+        cfg = TINY
+        model = Decoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
+    else:
+        cfg = registry.architecture(args.model)
+        model, _ = registry.load(args.model, dtype=jnp.dtype(args.dtype), random_weights=True)
+    requests, shared = workload(args, np.random.default_rng(args.seed), cfg.vocab_size)
+    hi = max(len(r.prompt) for _, r in requests)
+    max_len = hi + max(r.max_tokens for _, r in requests)
+    shared_len = max(1, round(args.shared_prefix * args.scale))
+    rows = []
+    for kv in args.kv.split(","):
+        for mode in args.prefix_cache.split(","):
+            engine = engine_for(model, cfg, kv, modes[mode], args, max_len)
+            warm_up(engine, min(len(r.prompt) for _, r in requests), hi, cfg.vocab_size, np.random.default_rng(1))
+            compiled = engine.compiles
+            row = run(engine, requests, shared_len, shared)
+            row.update(compiles_timed=engine.compiles - compiled, rate_per_s=args.rate, scale=args.scale,
+                       shared_prefix=shared_len, shared_requests=shared, kv_gib=args.kv_gib)
+            rows.append(row)
+            print(f"{kv:6s} prefix {mode:3s}: {row['requests_per_s']:.3f} req/s, {row['output_tokens_per_s']:.1f} "
+                  f"tok/s end to end, {row['decode_output_tokens_per_s'] or 0:.1f} tok/s decode, TTFT p50/p99 "
+                  f"{row['ttft_p50_s']:.2f}/{row['ttft_p99_s']:.2f} s, prefix restored {row['prefix_hit_tokens']} "
+                  f"of {row['prompt_tokens']} prompt tokens, {row['compiles_timed']} compiles timed", flush=True)
+            del engine
+    rec = results.record(rows, " ".join(["python", "bench/workload.py", *(argv or sys.argv[1:])]))
+    results.write(args.out, rec)
+    plot(rows, f"{args.model}: {args.requests} requests at {args.rate}/s on {results.device_kind()}",
+         args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
