@@ -196,7 +196,7 @@ def test_cli_generate_mesh():
 
 
 def test_parallel_plan_formulas_and_the_documented_table():
-    """bench/parallel_plan.py: the KV sizes of the issue's shapes (1M tokens: 8B 137 GB in bf16,
+    """bench/parallel_plan.py: the KV sizes of the 8B and 70B shapes (1M tokens: 8B 137 GB in bf16,
     19.6 GB at 2.28 bits), its collective payloads by formula, and docs/serving.md holding its table."""
     import importlib.util
     import sys
