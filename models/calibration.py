@@ -422,8 +422,8 @@ def calibrate(
             except ValueError:
                 spent = "-"
             mark = " (chosen)" if i == choice.chosen else ""
-            seg_table.add_row(f"{s} + {w}{mark}", spent, *(f"{choice.errors[i, :, c].sum():.4f} at "
-                                                             f"{choice.bits[i, c]:.3f}" for c in range(len(candidates))))
+            uniform = (f"{choice.errors[i, :, c].sum():.4f} at {choice.bits[i, c]:.3f}" for c in range(len(candidates)))
+            seg_table.add_row(f"{s} + {w}{mark}", spent, *uniform)
         console.print(seg_table)
     at_edge = int(np.sum(result.clip_k <= grid[0]) + np.sum(result.clip_v <= grid[0])) if clips == "fit" else 0
     if at_edge:
