@@ -104,10 +104,16 @@ def collect(model: Decoder, calib_ids: np.ndarray, heldout_ids: np.ndarray, *, s
             progress(len(row))
     stats = cal.statistics(acc)
     seconds = time.perf_counter() - start
-    held = windows(heldout_ids, seq_len)
-    caps = [tuple(np.asarray(x) for x in _capture(model, jnp.asarray(row[None]), layers)) for row in held]
-    heldout = tuple(np.concatenate(parts, axis=1) for parts in zip(*caps))
-    return CalibrationRun(stats, heldout, layers, seconds)
+    return CalibrationRun(stats, capture_windows(model, heldout_ids, seq_len), layers, seconds)
+
+
+def capture_windows(model: Decoder, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (q, k, v) [L, B, seq_len, H, D] float32 of the full-attention layers over `ids`
+    (int [N]) cut into B = N // seq_len windows, captured one window at a time."""
+    layers = full_layers(model.cfg)
+    caps = [tuple(np.asarray(x) for x in _capture(model, jnp.asarray(row[None]), layers))
+            for row in windows(ids, seq_len)]
+    return tuple(np.concatenate(parts, axis=1) for parts in zip(*caps))
 
 
 def capture_batches(model: Decoder, calib_ids: np.ndarray, *, seq_len: int = 1024, batch: int = 1):
@@ -181,27 +187,6 @@ def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: Qua
     return out
 
 
-def budget_calibration(run: CalibrationRun, rot_k, rot_v, candidates: tuple[QuantConfig, ...], target: float,
-                       context: int, clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID,
-                       softmax_scale: float | None = None, *, sink: int, window: int, center_keys: bool = False
-                       ) -> tuple[cal.Calibration, np.ndarray, np.ndarray, np.ndarray]:
-    """A bit budget: each candidate quantiser's held-aside served attention-output error per
-    layer (`heldout_errors`), one candidate per layer by `budget.allocate` within `target`
-    bits/element at `context` tokens (sink and window in bf16; the layers weigh equally,
-    each holding Hkv·D channels), the chosen candidates' calibrations (clips fitted on all
-    held-aside windows) joined by `budget.select`. Returns (calibration, errors [L, C],
-    bits [C], picked [L])."""
-    head_dim = run.stats.query_cov.shape[-1]
-    bits = budget.candidate_bits(candidates, head_dim=head_dim, sink=sink, window=window, context=context)
-    errors = np.stack([heldout_errors(run, rot_k, rot_v, q, clips, grid, softmax_scale, sink=sink, window=window,
-                                      center_keys=center_keys)[2] for q in candidates], axis=1)
-    picked = budget.allocate(errors, np.broadcast_to(bits, errors.shape), target)
-    calibrations = [cal.calibrate(run.stats, run.heldout, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=q,
-                                  clips=clips, grid=grid, softmax_scale=softmax_scale, center_keys=center_keys)
-                    for q in candidates]
-    return budget.select(calibrations, picked), errors, bits, picked
-
-
 def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
     """Per layer, λ_max / λ_median of C_K and of C_V (head means): [L], [L]."""
     def spread(c):
@@ -261,7 +246,14 @@ def calibrate(
                                                        "error) within these bits/element at --budget-context"),
     budget_candidates: str = typer.Option("", help="BITS[:G],... the --target-bpe candidates (default: 2 and 4 "
                                                    "bits at --group-size and at half of it)"),
-    budget_context: int = typer.Option(8192, min=1, help="--target-bpe: the sequence length the bits are counted at"),
+    budget_context: int = typer.Option(8192, min=1, help="--target-bpe: the sequence length the bits are counted "
+                                                         "and the errors measured at"),
+    budget_segments: str = typer.Option("", help="--target-bpe: SINK+WINDOW,... the bf16 segments to choose among "
+                                                 "(default: --sink + --window)"),
+    budget_windows: int = typer.Option(2, min=1, help="--target-bpe: held-aside sequences of --budget-context "
+                                                      "tokens the errors are measured on (after --heldout-tokens)"),
+    budget_chunk: int = typer.Option(1, min=1, help="--target-bpe: the serving chunk the errors assume (1: token "
+                                                    "by token; an evaluation's --chunk)"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print: "
                                               "a rotation name (K and V) or K:V"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
@@ -309,7 +301,7 @@ def calibrate(
     learn_tokens = tokens if learn_tokens is None else learn_tokens
     if not seq_len <= learn_tokens <= tokens:
         cli.fail(f"--learn-tokens {learn_tokens}: expected one --seq-len {seq_len} window to --tokens {tokens}")
-    candidates = ()
+    candidates, segments, context_tokens = (), ((sink, window),), 0
     if target_bpe is not None:
         g = group_size or cfg.head_dim
         listed = budget_candidates or ",".join(f"{b}:{x}" for b in (2, 4) for x in dict.fromkeys((g, max(g // 2, 1))))
@@ -317,18 +309,29 @@ def calibrate(
             candidates = budget.parse_candidates(listed, cfg.head_dim)
         except ValueError as e:
             cli.fail(f"--budget-candidates {listed!r}: {e}")
-        bits = budget.candidate_bits(candidates, head_dim=cfg.head_dim, sink=sink, window=window,
-                                     context=budget_context)
+        if budget_segments:
+            try:
+                segments = budget.parse_segments(budget_segments)
+            except ValueError as e:
+                cli.fail(f"--budget-segments {budget_segments!r}: {e}")
+        for s, w in segments:
+            if budget_context <= s + w or budget_chunk > w:
+                cli.fail(f"--budget-context {budget_context}, --budget-chunk {budget_chunk}: expected more tokens "
+                         f"than sink + window = {s + w} and a chunk of at most the window {w}")
+        bits = np.stack([budget.candidate_bits(candidates, head_dim=cfg.head_dim, sink=s, window=w,
+                                               context=budget_context) for s, w in segments])
         if bits.min() > target_bpe:
             cli.fail(f"--target-bpe {target_bpe}: the cheapest candidate costs {bits.min():.3f} bits/element at "
-                     f"--budget-context {budget_context} with --sink {sink} --window {window}")
-    measures = " and ".join(o for o, on in (("--compare", compare), ("--target-bpe", target_bpe is not None)) if on)
-    held_windows = 2 if measures else 1
+                     f"--budget-context {budget_context} with the sink + window "
+                     f"{'+'.join(map(str, segments[int(bits.min(axis=1).argmin())]))}")
+        cli.check_context(cfg, budget_context, "a held-aside sequence (--budget-context)")
+        context_tokens = budget_windows * budget_context
+    held_windows = 2 if compare else 1
     if heldout_tokens < held_windows * seq_len:
         cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
-                 f"window(s){f' ({measures} fits on one, measures on another)' if measures else ''}")
-    if measures and seq_len <= sink + window:
-        cli.fail(f"--seq-len {seq_len}: {measures} measures the served error on windows longer than "
+                 f"window(s){' (--compare fits on one, measures on another)' if compare else ''}")
+    if compare and seq_len <= sink + window:
+        cli.fail(f"--seq-len {seq_len}: --compare measures the served error on windows longer than "
                  f"--sink + --window = {sink + window}")
     try:
         source = calibration_text(text)
@@ -338,13 +341,15 @@ def calibrate(
     if tokenizer is None:
         cli.fail(f"--model {model}: no tokenizer found to encode --text")
     calib_cfg = dataclasses.replace(calib_cfg, softmax_scale=decoder.cfg.softmax_scale)
-    ids = np.asarray(tokenizer.encode(source)[: tokens + heldout_tokens], np.int32)
-    if len(ids) < tokens + heldout_tokens:
-        cli.fail(f"--text {text} has {len(ids)} tokens; need --tokens + --heldout-tokens = {tokens + heldout_tokens}")
+    needed = tokens + heldout_tokens + context_tokens
+    ids = np.asarray(tokenizer.encode(source)[:needed], np.int32)
+    if len(ids) < needed:
+        extra = " + --budget-windows x --budget-context" if context_tokens else ""
+        cli.fail(f"--text {text} has {len(ids)} tokens; need --tokens + --heldout-tokens{extra} = {needed}")
     with Progress(console=console) as bar:
         task = bar.add_task("calibration forwards", total=tokens)
-        run = collect(decoder, ids[:tokens], ids[tokens:], seq_len=seq_len, config=calib_cfg,
-                      progress=lambda n: bar.advance(task, n))
+        run = collect(decoder, ids[:tokens], ids[tokens: tokens + heldout_tokens], seq_len=seq_len,
+                      config=calib_cfg, progress=lambda n: bar.advance(task, n))
     grid = tuple(np.round(np.arange(clip_min, 1.0 + 1e-9, 0.01), 2))
     learned_cache: dict[tuple[str, str], tuple[cal.Rotation, cal.Rotation]] = {}
     learn_seconds = 0.0
@@ -379,9 +384,12 @@ def calibrate(
                                quant_cfg=quant_cfg, clips=clips, grid=grid, softmax_scale=scale,
                                center_keys=center_keys)
     else:
-        result, budget_errors, budget_bits, picked = budget_calibration(
-            run, *rotations, candidates, target_bpe, budget_context, clips, grid, scale, sink=sink, window=window,
-            center_keys=center_keys)
+        context_held = capture_windows(decoder, ids[tokens + heldout_tokens:], budget_context)
+        choice = budget.calibrate_within(run.stats, run.heldout, context_held, *rotations, candidates, target_bpe,
+                                         segments, clips, grid, scale, chunk=budget_chunk, center_keys=center_keys)
+        del context_held
+        result, (sink, window) = choice.calibration, choice.segment
+        budget_errors, picked = choice.errors[choice.chosen], choice.picked
     fit_s = time.perf_counter() - t0
     try:
         meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
@@ -403,11 +411,20 @@ def calibrate(
                       f"{result.clip_k[i]:.2f}", f"{result.clip_v[i]:.2f}", *budget_cells)
     console.print(table)
     if target_bpe is not None:
-        spent = float(budget_bits[picked].mean())
-        console.print(f"bit budget: {spent:.3f} bits/element at {budget_context} tokens (target {target_bpe}); "
-                      f"summed held-aside served error {budget_errors[np.arange(len(picked)), picked].sum():.4f} "
-                      f"(uniform: " + ", ".join(f"{quant_name(q)} {budget_errors[:, c].sum():.4f} at "
-                                                f"{budget_bits[c]:.3f}" for c, q in enumerate(candidates)) + ")")
+        seg_table = Table(title=f"summed held-aside served error at {budget_context} tokens (chunk {budget_chunk}) "
+                                f"and bits/element: the budget within {target_bpe} and each uniform candidate")
+        for col in ("sink + window", "budget", *(quant_name(q) for q in candidates)):
+            seg_table.add_column(col, justify="right")
+        for i, (s, w) in enumerate(segments):
+            try:
+                _, best = budget.allocate_segments(choice.errors[i: i + 1], choice.bits[i: i + 1], target_bpe)
+                spent = f"{choice.errors[i, np.arange(len(best)), best].sum():.4f} at {choice.bits[i, best].mean():.3f}"
+            except ValueError:
+                spent = "-"
+            mark = " (chosen)" if i == choice.chosen else ""
+            uniform = (f"{choice.errors[i, :, c].sum():.4f} at {choice.bits[i, c]:.3f}" for c in range(len(candidates)))
+            seg_table.add_row(f"{s} + {w}{mark}", spent, *uniform)
+        console.print(seg_table)
     at_edge = int(np.sum(result.clip_k <= grid[0]) + np.sum(result.clip_v <= grid[0])) if clips == "fit" else 0
     if at_edge:
         console.print(f"[yellow]{at_edge} of {2 * len(run.layers)} fitted ratios sit at the grid's lowest "
@@ -423,10 +440,11 @@ def calibrate(
     rows = [timing]
     if target_bpe is not None:
         rows.append({**setting, "variant": "budget", "target_bpe": target_bpe, "context": budget_context,
-                     "bpe": float(budget_bits[picked].mean()),
+                     "chunk": budget_chunk, "heldout_sequences": budget_windows,
+                     "bpe": float(choice.bits[choice.chosen, picked].mean()),
                      "candidates": [dataclasses.asdict(q) for q in candidates],
-                     "candidate_bpe": budget_bits.tolist(), "layer_errors": budget_errors.tolist(),
-                     "picked": picked.tolist()})
+                     "segments": [list(x) for x in segments], "candidate_bpe": choice.bits.tolist(),
+                     "layer_errors": choice.errors.tolist(), "picked": picked.tolist()})
     if time_forward:
         calib_rows = windows(ids[:tokens], seq_len)
         jax.block_until_ready(_forward(decoder, jnp.asarray(calib_rows[:1])))  # compile

@@ -6,16 +6,28 @@ bits per element it costs, `allocate` picks one candidate per layer that minimis
 error while the average bits per element stays within a target: an exact multiple-choice
 knapsack over the bits, solved by dynamic programming on a fine grid of bit costs. `select`
 then assembles one calibration from the per-candidate calibrations of the chosen quantisers.
+
+The bf16 sink and recent window are part of the choice: every layer's cache shares one
+(sink, window), whose bf16 tokens cost bits like the quantised history does, so
+`allocate_segments` runs the knapsack once per candidate (sink, window) and keeps the one of
+least summed error. The errors it compares (`context_errors`) are measured at the context the
+bits are counted at, on queries spread over the whole sequence as an evaluation weighs them:
+on short sequences the window covers a large share of every query's keys and its worth is
+overstated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import calibrate as cal
+from oscar_jax import learn
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element
 
 BIT_RESOLUTION = 1e-3  # the grid bit costs are rounded up to (so the target is never passed)
@@ -70,6 +82,119 @@ def allocate(errors: np.ndarray, bits: np.ndarray, target: float, weights: np.nd
     return picked
 
 
+def allocate_segments(errors: np.ndarray, bits: np.ndarray, target: float) -> tuple[int, np.ndarray]:
+    """The (sink, window) and the per-layer candidates of least summed error within `target`:
+    `allocate` for each segment s whose cheapest choice fits, the least Σ_l errors[s, l, c_l]
+    kept. errors: float [S, L, C] (segment s, layer l, candidate c); bits: float [S, C] (each
+    candidate's bits per element with segment s; the layers weigh equally). Returns (s, int
+    [L]). Raises ValueError when no segment's cheapest choice fits."""
+    errors = np.asarray(errors, np.float64)
+    bits = np.asarray(bits, np.float64)
+    if errors.ndim != 3 or bits.shape != (errors.shape[0], errors.shape[2]):
+        raise ValueError(f"errors.shape={errors.shape}, bits.shape={bits.shape}: expected [S, L, C] and [S, C]")
+    best = None
+    for s in range(errors.shape[0]):
+        if bits[s].min() > target + 1e-12:
+            continue
+        picked = allocate(errors[s], np.broadcast_to(bits[s], errors.shape[1:]), target)
+        total = errors[s, np.arange(errors.shape[1]), picked].sum()
+        if best is None or total < best[0]:
+            best = (total, s, picked)
+    if best is None:
+        raise ValueError(f"target={target} bits/element is below every segment's cheapest choice "
+                         f"({bits.min(axis=1).min():.4f})")
+    return best[1], best[2]
+
+
+def parse_segments(text: str) -> tuple[tuple[int, int], ...]:
+    """'SINK+WINDOW,...' (e.g. '64+256,16+112') -> ((sink, window), ...), sink >= 0, window >= 1,
+    each pair at most once."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        sink, plus, window = item.partition("+")
+        try:
+            pair = (int(sink), int(window))
+        except ValueError:
+            pair = None
+        if not plus or pair is None or pair[0] < 0 or pair[1] < 1:
+            raise ValueError(f"segment {item!r}: expected SINK+WINDOW, SINK >= 0 and WINDOW >= 1 tokens")
+        out.append(pair)
+    if len(set(out)) != len(out):
+        raise ValueError(f"segments {text!r}: each SINK+WINDOW at most once")
+    return tuple(out)
+
+
+def query_positions(context: int, queries: int) -> np.ndarray:
+    """`queries` positions spread evenly over [0, context) (every position when there are
+    fewer): int32 [N], ascending."""
+    if queries >= context:
+        return np.arange(context, dtype=np.int32)
+    return ((np.arange(queries) + 0.5) * context / queries).astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("segments", "chunk", "scale"))
+def _segment_sums(q, k, v, k_hat, v_hat, pos, segments, chunk, scale):
+    """One layer, one sequence: q [T, Hq, D]; k, v, k_hat, v_hat [T, Hkv, D]; pos int32 [N] ->
+    (Σ |o - ô|² per segment [S], Σ |o|²) over the queries at pos. The cache holds a chunk's
+    newest `window` positions bf16, so query p sees exact keys < sink or > its chunk's last
+    position - window."""
+    t, hkv, _ = k.shape
+    qg = cal._group_queries(q[pos], hkv)  # [N, Hkv, g, D]
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("nhgd,thd->hgnt", qg, k, precision=hi) * scale
+    s_hat = jnp.einsum("nhgd,thd->hgnt", qg, k_hat, precision=hi) * scale
+    keys = jnp.arange(t)[None, :]
+    causal = keys <= pos[:, None]  # [N, T]
+    last = jnp.minimum((pos // chunk + 1) * chunk - 1, t - 1)[:, None]
+    o = jnp.einsum("hgnt,thd->hgnd", jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1), v, precision=hi)
+    errs = []
+    for sink, window in segments:
+        exact = (keys < sink) | (keys > last - window)
+        p_hat = jax.nn.softmax(jnp.where(causal, jnp.where(exact, s, s_hat), -jnp.inf), axis=-1)
+        o_hat = (jnp.einsum("hgnt,thd->hgnd", jnp.where(exact, p_hat, 0.0), v, precision=hi)
+                 + jnp.einsum("hgnt,thd->hgnd", jnp.where(exact, 0.0, p_hat), v_hat, precision=hi))
+        errs.append(jnp.sum((o - o_hat) ** 2))
+    return jnp.stack(errs), jnp.sum(o * o)
+
+
+def context_errors(held, calibrations: Sequence[cal.Calibration], segments: Sequence[tuple[int, int]], *,
+                   chunk: int = 1, queries: int = 256, softmax_scale: float | None = None) -> np.ndarray:
+    """Relative served attention-output error Σ |o - ô|² / Σ |o|² of every candidate calibration
+    with every (sink, window), per layer, on held-aside sequences as long as the context the
+    bits are counted at: float64 [S, L, C].
+
+    held: (q [L, B, T, Hq, D], k, v [L, B, T, Hkv, D]) float32; calibrations: C candidates (each
+    [L] layers, its own quantiser `quant`, keys centered by `k_shift` when set); the queries:
+    `queries` positions per sequence spread over [0, T) (`query_positions`), every one counted
+    (a query inside the bf16 segments adds no error), the same for every segment; chunk: the
+    serving chunk (1: token by token; an evaluation's prefill/extend chunk), which sets how many
+    recent tokens a query sees in bf16."""
+    q, k, v = held
+    cal.check_activations(q, k, v)
+    num_layers, rows, t, hkv, d = k.shape
+    if chunk < 1 or any(chunk > w for _, w in segments):
+        raise ValueError(f"chunk={chunk}: expected 1 <= chunk <= every window {[w for _, w in segments]}")
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    pos = jnp.asarray(query_positions(t, queries))
+    segments = tuple((int(s), int(w)) for s, w in segments)
+    out = np.zeros((len(segments), num_layers, len(calibrations)))
+    for c, calib in enumerate(calibrations):
+        shift = np.zeros((num_layers, hkv, d), np.float32) if calib.k_shift is None else calib.k_shift
+        for i in range(num_layers):
+            err, ref = np.zeros(len(segments)), 0.0
+            f32 = lambda x: jnp.asarray(x, jnp.float32)
+            for row in range(rows):
+                qi, ki, vi = (f32(x[i, row: row + 1]) for x in (q, k, v))
+                k_hat = learn._served_values(ki, f32(calib.rot_k.rot[i]), f32(calib.rot_k.dual[i]), f32(shift[i]),
+                                             calib.quant, float(calib.clip_k[i]))
+                v_hat = learn._served_values(vi, f32(calib.rot_v.rot[i]), f32(calib.rot_v.dual[i]),
+                                             jnp.zeros((hkv, d), jnp.float32), calib.quant, float(calib.clip_v[i]))
+                e, r = _segment_sums(qi[0], ki[0], vi[0], k_hat[0], v_hat[0], pos, segments, chunk, scale)
+                err, ref = err + np.asarray(e, np.float64), ref + float(r)
+            out[:, i, c] = err / ref
+    return out
+
+
 def parse_candidates(text: str, head_dim: int) -> tuple[QuantConfig, ...]:
     """'BITS[:G],...' (e.g. '2:64,2:32,4:64'; G omitted = head_dim) -> one `QuantConfig`
     per candidate, each checked (bits 2, 4 or 8; G a power of two dividing head_dim; G =
@@ -118,3 +243,41 @@ def select(calibrations: Sequence[cal.Calibration], picked: np.ndarray) -> cal.C
     return dataclasses.replace(
         first, rot_k=rotation("rot_k"), rot_v=rotation("rot_v"), clip_k=take(lambda c: c.clip_k),
         clip_v=take(lambda c: c.clip_v), fit=None, layer_quant=tuple(calibrations[j].quant for j in picked))
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetChoice:
+    """A bit budget's outcome: calibration (each layer's rotations, clips and quantiser);
+    segment: the (sink, window) it is served with; errors [S, L, C], bits [S, C]: the measured
+    error and bits per element of every (segment, layer, candidate); chosen: the segment's
+    index; picked: int [L] each layer's candidate."""
+
+    calibration: cal.Calibration
+    segment: tuple[int, int]
+    errors: np.ndarray
+    bits: np.ndarray
+    chosen: int
+    picked: np.ndarray
+
+
+def calibrate_within(stats: cal.Statistics, heldout, context_held, rot_k, rot_v, candidates: Sequence[QuantConfig],
+                     target: float, segments: Sequence[tuple[int, int]], clips: cal.ClipMode = "fit",
+                     grid=cal.CLIP_GRID, softmax_scale: float | None = None, *, chunk: int = 1, queries: int = 256,
+                     center_keys: bool = False) -> BudgetChoice:
+    """A calibration within `target` bits/element: every candidate quantiser calibrated
+    (`calibrate.calibrate` on `stats`, clips fitted on `heldout`), its served attention-output
+    error per layer with every (sink, window) of `segments` measured on `context_held`
+    ((q, k, v) [L, B, T, H, D]: sequences of the T-token context the bits are counted at,
+    text neither the statistics nor the clips saw; `context_errors`), and the segment and
+    per-layer candidates of least summed error (`allocate_segments`) joined by `select`."""
+    head_dim = stats.query_cov.shape[-1]
+    context = context_held[1].shape[2]
+    bits = np.stack([candidate_bits(candidates, head_dim=head_dim, sink=s, window=w, context=context)
+                     for s, w in segments])
+    calibrations = [cal.calibrate(stats, heldout, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=q, clips=clips,
+                                  grid=grid, softmax_scale=softmax_scale, center_keys=center_keys)
+                    for q in candidates]
+    errors = context_errors(context_held, calibrations, segments, chunk=chunk, queries=queries,
+                            softmax_scale=softmax_scale)
+    chosen, picked = allocate_segments(errors, bits, target)
+    return BudgetChoice(select(calibrations, picked), tuple(segments[chosen]), errors, bits, chosen, picked)

@@ -130,3 +130,35 @@ def test_accuracy_table_renders_every_committed_eval_and_needle_file(capsys):
     assert len(paths) >= 6
     table.main([str(p) for p in paths])
     assert capsys.readouterr().out.count("| kv |") >= len(paths)
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_pareto_plot_from_the_committed_records(model, tmp_path):
+    """bench/pareto.py on the committed eval records: every point is a committed row (same
+    bits, PPL, KL), ΔPPL is against the bf16 row of the same text, the front holds exactly the
+    oscar points no other oscar point beats, and the committed pareto record has these points."""
+    from typer.testing import CliRunner
+    import typer
+
+    pareto = _bench_module("pareto")
+    records = sorted(RESULTS.glob(f"cpu/accuracy_{model}*.json"))
+    out = tmp_path / f"pareto_{model}.png"
+    app = typer.Typer()
+    app.command()(pareto.main)
+    result = CliRunner().invoke(app, [*map(str, records), "--model", model, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.stat().st_size > 10_000
+    points = results.read(out.with_suffix(".json"))["rows"]
+    committed = [r for p in records for r in results.read(p)["rows"]]
+    for p in points:
+        assert any((r["kv"], r["bpe"], r["ppl"], r["kl"]) == (p["kv"], p["bpe"], p["ppl"], p["kl"]) for r in committed)
+        assert p["dppl_pct"] == pytest.approx(100 * (p["ppl"] / p["bf16_ppl"] - 1))
+    oscar = [p for p in points if p["kv"].startswith("oscar")]
+    beats = lambda b, a: (b["bpe"] <= a["bpe"] and b["dppl_pct"] <= a["dppl_pct"] and b["kl"] <= a["kl"]
+                          and b is not a and (b["bpe"], b["dppl_pct"], b["kl"]) != (a["bpe"], a["dppl_pct"], a["kl"]))
+    for a in oscar:
+        assert a["on_front"] == (not any(beats(b, a) for b in oscar)), a["label"]
+    assert any(p["on_front"] for p in oscar) and any(not p["kv"].startswith("oscar") for p in points)
+    mine = RESULTS / "cpu" / f"pareto_{model}.json"
+    if mine.exists():
+        assert results.read(mine)["rows"] == points

@@ -119,3 +119,103 @@ def test_select_takes_each_layer_from_its_candidate():
         assert (mixed.clip_k[i], mixed.clip_v[i]) == (cands[j].clip_k[i], cands[j].clip_v[i])
     with pytest.raises(ValueError, match="picked="):
         budget.select(cands, np.array([0, 3, 1]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**31 - 1), st.floats(0.0, 1.0))
+def test_allocate_segments_is_optimal_over_segments_and_layers(segments, layers, choices, seed, slack):
+    """allocate_segments: the segment and per-layer candidates it returns fit the target and
+    have the least summed error of every (segment, combination) that does (up to the grid)."""
+    rng = np.random.default_rng(seed)
+    errors = rng.uniform(0, 1, (segments, layers, choices))
+    bits = rng.uniform(2, 8, (segments, choices))
+    lo, hi = bits.min(), bits.max()
+    target = lo + slack * (hi - lo) + layers * budget.BIT_RESOLUTION
+    chosen, picked = budget.allocate_segments(errors, bits, target)
+    rows = np.arange(layers)
+    assert bits[chosen, picked].mean() <= target + 1e-12
+    combos = [(s, np.array(c)) for s in range(segments) for c in itertools.product(range(choices), repeat=layers)]
+    total = lambda s, c: errors[s, rows, c].sum()
+    best = min(total(s, c) for s, c in combos if bits[s, c].mean() <= target)
+    best_with_room = min(total(s, c) for s, c in combos if bits[s, c].mean() <= target - layers * budget.BIT_RESOLUTION)
+    assert best - 1e-12 <= total(chosen, picked) <= best_with_room + 1e-12
+    with pytest.raises(ValueError, match="every segment"):
+        budget.allocate_segments(errors, bits, lo - 0.1)
+
+
+def test_parse_segments():
+    assert budget.parse_segments("64+256, 16+112,0+64") == ((64, 256), (16, 112), (0, 64))
+    for text, match in (("64", "SINK\\+WINDOW"), ("a+b", "SINK\\+WINDOW"), ("8+0", "WINDOW >= 1"),
+                        ("-1+8", "SINK >= 0"), ("8+8,8+8", "at most once")):
+        with pytest.raises(ValueError, match=match):
+            budget.parse_segments(text)
+
+
+def _served_error_oracle(q, k, v, calib, layer, sink, window, chunk, pos, scale):
+    """Per query, in float64 numpy: keys and values the cache serves (bf16-stored rotated
+    vectors through `quant`, dequantised and rotated back; exact in the sink and in the
+    chunk's newest `window` positions), softmax attention, Σ |o - ô|² and Σ |o|²."""
+    from oscar_jax import quant
+    from oscar_jax.cache import STORE_DTYPE
+
+    def served(x, rot, dual, shift, clip):
+        x_rot = np.einsum("thd,hde->the", x.astype(np.float64) - shift, rot)
+        deq = quant.dequantize(quant.quantize(jnp.asarray(x_rot, jnp.float32).astype(STORE_DTYPE), calib.quant,
+                                              clip), calib.quant)
+        return np.einsum("the,hde->thd", np.asarray(deq, np.float64), dual) + shift
+
+    shift = np.zeros(k.shape[1:]) if calib.k_shift is None else np.asarray(calib.k_shift[layer], np.float64)
+    k_hat = served(k, calib.rot_k.rot[layer], calib.rot_k.dual[layer], shift,
+                   calib.clip_k[layer])
+    v_hat = served(v, calib.rot_v.rot[layer], calib.rot_v.dual[layer], 0.0, calib.clip_v[layer])
+    t, hkv, _ = k.shape
+    g = q.shape[1] // hkv
+    err = ref = 0.0
+    for p in pos:
+        last = min((p // chunk + 1) * chunk - 1, t - 1)
+        keys = np.arange(p + 1)
+        exact = (keys < sink) | (keys > last - window)
+        for h in range(q.shape[1]):
+            kv = h // g
+            qv = q[p, h].astype(np.float64)
+            kk, kh = k[: p + 1, kv].astype(np.float64), k_hat[: p + 1, kv]
+            vv, vh = v[: p + 1, kv].astype(np.float64), v_hat[: p + 1, kv]
+            soft = lambda s: np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+            o = soft(kk @ qv * scale) @ vv
+            o_hat = soft(np.where(exact[:, None], kk, kh) @ qv * scale) @ np.where(exact[:, None], vv, vh)
+            err += ((o - o_hat) ** 2).sum()
+            ref += (o ** 2).sum()
+    return err, ref
+
+
+@pytest.mark.parametrize("chunk, center", [(1, False), (4, True)])
+def test_context_errors_match_a_per_query_oracle(chunk, center):
+    """context_errors against a per-query float64 oracle: every (segment, layer, candidate)
+    error, with the chunk's effect on the bf16 window and with centered keys; a window
+    covering the whole sequence gives 0."""
+    from oscar_jax import calibrate as cal
+
+    rng = np.random.default_rng(7)
+    layers, t, d = 2, 40, 16
+    q, k, v = (rng.standard_normal((layers, 2, t, h, d)).astype(np.float32) * np.geomspace(3, 0.3, d)
+               for h in (4, 2, 2))
+    k = k + 1.5  # an offset for the centered keys to remove
+    stats = cal.statistics(cal.accumulate(cal.Accumulator.init(layers, 2, d), q, k, v))
+    calibs = [cal.calibrate(stats, (q, k, v), rotation_k="uhp", rotation_v="uhp", quant_cfg=c, grid=(0.8, 1.0),
+                            center_keys=center) for c in (QuantConfig(2), QuantConfig(4, 8))]
+    segments = ((4, 8), (0, 4), (2, 40))
+    got = budget.context_errors((q, k, v), calibs, segments, chunk=chunk, queries=12, softmax_scale=0.3)
+    assert got.shape == (3, layers, 2)
+    pos = budget.query_positions(t, 12)
+    assert len(set(pos.tolist())) == 12 and pos.min() >= 0 and pos.max() < t
+    for s, (sink, window) in enumerate(segments[:2]):
+        for layer in range(layers):
+            for c, calib in enumerate(calibs):
+                sums = [_served_error_oracle(*(x[layer, row] for x in (q, k, v)), calib, layer, sink, window, chunk,
+                                             pos, 0.3) for row in range(2)]
+                want = sum(e for e, _ in sums) / sum(r for _, r in sums)
+                assert got[s, layer, c] == pytest.approx(want, rel=2e-3, abs=1e-9)
+    assert got[0].sum() > 0 and np.all(got[2] < 1e-12)
+    assert np.all(got[:2, :, 1] < got[:2, :, 0])  # 4-bit G=8 serves closer than 2-bit G=16
+    with pytest.raises(ValueError, match="chunk="):
+        budget.context_errors((q, k, v), calibs, ((0, 2),), chunk=4)

@@ -179,9 +179,10 @@ def test_calibrate_cli_serves_centered_keys_and_its_window(tiny, tmp_path, monke
 
 
 def test_calibrate_cli_spends_a_bit_budget(tiny, tmp_path, monkeypatch):
-    """calibrate --target-bpe: the per-layer quantisers are the cheapest-error choice within
-    the target (brute force over the recorded held-aside errors), the artifact carries them,
-    load_calibration serves each layer with its own, and eval counts bits within the target."""
+    """calibrate --target-bpe: the (sink, window) and per-layer quantisers are the least-error
+    choice within the target (brute force over the recorded held-aside errors), the artifact
+    carries them, load_calibration serves each layer with its own, and eval counts bits within
+    the target."""
     import itertools
 
     from typer.testing import CliRunner
@@ -189,23 +190,30 @@ def test_calibrate_cli_spends_a_bit_budget(tiny, tmp_path, monkeypatch):
     import oscar_jax.models.calibration  # noqa: F401  (registers `oscar calibrate`)
     from oscar_jax.models.cli import app, load_calibration
 
-    text = _cli_text(tiny, tmp_path, monkeypatch, 5, 900)
+    text = _cli_text(tiny, tmp_path, monkeypatch, 5, 1700)
     art, report = tmp_path / "art", tmp_path / "cal.json"
     result = CliRunner().invoke(app, ["calibrate", "--model", TINY, "--text", str(text), "--tokens", "512",
                                       "--heldout-tokens", "256", "--seq-len", "128", "--sink", "8", "--window", "32",
                                       "--target-bpe", "5.3", "--budget-candidates", "2,2:8,4", "--budget-context",
-                                      "400", "--json", str(report), "--out", str(art)])
+                                      "400", "--budget-segments", "8+32,4+16", "--budget-chunk", "16",
+                                      "--json", str(report), "--out", str(art)])
     assert result.exit_code == 0, result.output
     row = next(r for r in results.read(report)["rows"] if r.get("variant") == "budget")
     errors, bits = np.array(row["layer_errors"]), np.array(row["candidate_bpe"])
-    combos = [c for c in itertools.product(range(3), repeat=len(errors)) if bits[list(c)].mean() <= 5.3]
-    best = min(combos, key=lambda c: errors[np.arange(len(c)), c].sum())
-    assert errors[np.arange(len(best)), best].sum() == pytest.approx(
-        errors[np.arange(len(best)), row["picked"]].sum(), rel=1e-12)
+    assert errors.shape[:1] == bits.shape[:1] == (2,) and row["segments"] == [[8, 32], [4, 16]]
+    rows = np.arange(errors.shape[1])
+    combos = [(s, c) for s in range(2) for c in itertools.product(range(3), repeat=errors.shape[1])
+              if bits[s, list(c)].mean() <= 5.3]
+    total = lambda s, c: errors[s, rows, list(c)].sum()
+    best = min(combos, key=lambda sc: total(*sc))
+    chosen = [i for i, seg in enumerate(row["segments"]) if seg == [row["sink"], row["window"]]]
+    assert len(chosen) == 1 and total(*best) == pytest.approx(total(chosen[0], row["picked"]), rel=1e-12)
+    assert row["bpe"] == pytest.approx(bits[chosen[0], row["picked"]].mean())
     assert len(set(row["picked"])) > 1  # the target buys some layers more than the cheapest
     quants = (QuantConfig(2), QuantConfig(2, 8), QuantConfig(4))
     policy = load_calibration(art, tiny.cfg)
     assert policy.layer_quant == tuple(quants[j] for j in row["picked"])
+    assert (policy.sink, policy.window) == (row["sink"], row["window"])
     out = tmp_path / "r.json"
     result = CliRunner().invoke(app, ["eval", "--model", TINY, "--text", str(text), "--rotations", str(art),
                                       "--kv", "oscar", "--tokens", "400", "--context", "400", "--chunk", "16",
