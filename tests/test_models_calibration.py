@@ -38,7 +38,7 @@ def test_collect_streams_the_full_attention_layers(tmp_path):
     assert held_q.shape == (2, 2, 16, 4, 16) and held_k.shape == held_v.shape == (2, 2, 16, 2, 16)
     np.testing.assert_allclose(held_k[:, 0], np.asarray(model(
         jnp.asarray(ids[48:64][None]), positions[:1], mode="forward", capture_qkv=True)[2].k)[[1, 3], 0],
-        rtol=1e-5, atol=1e-6)
+        rtol=1e-5, atol=1e-5)  # float32 matmuls of a 1-row and a 2-row batch sum in other orders
 
     errors = mc.compare_variants(run, ("identity", "hadamard"), QuantConfig(), clips="fixed", sink=2, window=4)
     assert set(errors) == {"identity", "hadamard"}
