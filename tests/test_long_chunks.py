@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cache_oracle import SequenceOracle, random_kv, signed_permutation
-from oscar_jax import attention, paged, reference, updates
+from oscar_jax import attention, dispatch, paged, reference, updates
 from oscar_jax import cache as oc
 from oscar_jax.config import CacheSpec, QuantConfig
 from test_paged import _assert_same_tokens, _give_pages
@@ -158,6 +158,14 @@ def test_paged_long_chunk_equals_contiguous():
     _assert_same_tokens(pc, cc)
     np.testing.assert_array_equal(o_p, o_c)
     np.testing.assert_array_equal(lse_p, lse_c)
+
+
+def test_auto_attends_long_chunks_in_xla_on_gpu():
+    """"auto" keeps the Triton kernel for chunks of W queries and takes XLA past them."""
+    spec = CacheSpec(1, 1, HKV, 64, MAX_LEN, S0, W, QuantConfig(bits=2))  # a shape the Triton kernel takes
+    for op in ("attend", "paged_attend"):
+        assert dispatch.resolve(op, "auto", spec, queries=W, group=G, backend="gpu") == "pallas"
+        assert dispatch.resolve(op, "auto", spec, queries=W + 1, group=G, backend="gpu") == "xla"
 
 
 def test_bad_chunks_are_refused_by_name():
