@@ -20,7 +20,7 @@ Policies and their stored formats (bits/element from the real format):
                  clips from a calibration artifact (identity, 0.96/0.92 without one).
   quarot         `OscarCache` INT2, Hadamard rotations, clip 1, OSCAR's sink/window.
   int2/int4/int8 `OscarCache` per-token b-bit, identity rotation, no sink, the
-                 bf16 window only as wide as one extend chunk (the append contract).
+                 bf16 window only as wide as one extend chunk.
   kivi           `KiviCache`: KIVI-2 (keys per-channel over 32-token groups,
                  values per-token over 32-channel groups, 128-token fp residual).
                  Its packed format is not served: values are stored simulated-quantised
@@ -121,21 +121,20 @@ def values_in_output_basis(layer, v: jax.Array) -> jax.Array:
 
 def append_attend(layer, q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_scale: float):
     """Append C new tokens to one layer, then attend their queries (docs/method.md,
-    "Attention over the mixed cache"). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE.
+    "Attention over the mixed cache"; OSCAR layers: `attention.append_attend`, any C, chunks
+    longer than the window in XLA). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE.
     Returns (o [B, C, Hq, D], layer)."""
     if isinstance(layer, OscarLayer) and layer.mesh is not None:
         o, cache = parallel.append_attend(layer.cache, layer.params, q, k, v, mesh=layer.mesh,
                                           implementation=layer.implementation, softmax_scale=softmax_scale)
         return o, dataclasses.replace(layer, cache=cache)
     if isinstance(layer, OscarLayer):
-        cache = updates.append(layer.cache, k, v, layer.params,
-                               implementation="xla" if layer.implementation == "xla" else "auto")
-        o, _ = attention.attend(q, cache, layer.params, implementation=layer.implementation,
-                                softmax_scale=softmax_scale)
+        o, _, cache = attention.append_attend(q, k, v, layer.cache, layer.params, implementation=layer.implementation,
+                                              softmax_scale=softmax_scale)
         return o, dataclasses.replace(layer, cache=cache)
     if isinstance(layer, PagedLayer):
-        cache = paged.append(layer.cache, k, v, layer.params)
-        o, _ = paged.attend(q, cache, layer.params, implementation=layer.implementation, softmax_scale=softmax_scale)
+        o, _, cache = paged.append_attend(q, k, v, layer.cache, layer.params, implementation=layer.implementation,
+                                          softmax_scale=softmax_scale)
         return o, dataclasses.replace(layer, cache=cache)
     if isinstance(layer, oc.RingCache):
         ring = updates.ring_append(layer, k, v)
@@ -200,7 +199,7 @@ class QuantPolicy:
 
     rotation: "identity", "hadamard" or "artifact" (then `layer_params` holds the
     calibrated rotations and clips, [L_full, ...]). sink/window: bf16 segments;
-    window=None means "one extend chunk wide" (the smallest the append contract allows).
+    window=None means "one extend chunk wide" (the ring holds the last chunk and nothing older).
     values_folded: the params say `v_folded` (attention returns outputs in the R_V basis),
     for a decoder whose output projections hold R_Vᵀ (`decoder.fold_values` makes the pair).
     layer_quant: one `QuantConfig` per full-attention layer (a bit budget spent unevenly,
@@ -252,8 +251,6 @@ class QuantPolicy:
     def cache_spec(self, cfg, batch: int, max_len: int, chunk: int = 1, full_index: int = 0) -> CacheSpec:
         """The `CacheSpec` of full-attention layer `full_index`'s cache."""
         window = self.window or chunk
-        if chunk > window:
-            raise ValueError(f"chunk={chunk} must be <= the {self.name} policy's window={window}")
         return CacheSpec(1, batch, cfg.num_kv_heads, cfg.head_dim, max(max_len, self.sink + window),
                          self.sink, window, self.layer_quants(cfg)[full_index])
 

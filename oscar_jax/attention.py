@@ -21,7 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from oscar_jax import dispatch, reference
+from oscar_jax import dispatch, reference, updates
 from oscar_jax.cache import LayerParams, OscarCache, RingCache, check_params
 from oscar_jax.config import CacheSpec
 from oscar_jax.pallas_kernels import layout
@@ -33,12 +33,19 @@ from oscar_jax.pallas_kernels.tpu import mixed_attention as _tpu_attention
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
+def within_window(supports: dispatch.SupportsFn = dispatch._always) -> dispatch.SupportsFn:
+    """`supports` limited to chunks of at most W queries: a kernel attends a chunk the cache
+    holds in its sink and ring (a longer one, whose own first tokens the history holds, runs in
+    XLA, `append_attend`)."""
+    return lambda spec, queries, group: queries <= spec.window and supports(spec, queries, group)
+
+
 def register(name: str, fn: AttendFn, supports: dispatch.SupportsFn = dispatch._always) -> None:
     """Make a kernel implementation available to `attend` under `name` (one of
-    `dispatch.NAMES`). supports(spec, C, g): the calls it can run; "auto" takes the first of
-    `dispatch.AUTO_ORDER` (the order of the measured speeds) that runs here and supports the
-    call."""
-    dispatch.register("attend", name, fn, supports)
+    `dispatch.NAMES`). supports(spec, C, g): the calls it can run (limited here to C <= W,
+    `within_window`); "auto" takes the first of `dispatch.AUTO_ORDER` (the order of the measured
+    speeds) that runs here and supports the call."""
+    dispatch.register("attend", name, fn, supports if name == "xla" else within_window(supports))
 
 
 def available() -> tuple[str, ...]:
@@ -126,10 +133,41 @@ def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
     _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
     check_params(spec, layer_params, "attend")
     if q.shape[1] > spec.window:
-        raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call")
+        raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call (a longer chunk "
+                         "attends through append_attend)")
     name = resolve(implementation, spec, q.shape[1], q.shape[2] // spec.kv_heads, interpret=interpret)
     return dispatch.get("attend", name)(q, layer_cache, layer_params, softmax_scale=softmax_scale,
                                         interpret=interpret)
+
+
+def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
+                  implementation: str = "auto", softmax_scale: float | None = None, interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array, OscarCache]:
+    """Append a chunk of C new tokens (`updates.append`), then attend its C queries: any C the
+    cache holds (docs/ARCHITECTURE.md §5). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE,
+    unrotated -> (o [B, C, Hq, D], lse f32 [B, C, Hq], the cache after the append).
+
+    Query c (position n + c, n the tokens held before) sees the tokens before the chunk as the
+    cache holds them after the append (sink and ring bf16, history quantised) and the chunk's
+    own tokens 0..c as written (bf16), causally. C <= W: exactly `updates.append` then `attend`
+    (the chunk lies in the ring). C > W: in XLA (`reference.attend(own=...)`), whatever
+    `implementation` "auto" names; an explicit kernel raises (kernels attend chunks of <= W).
+    """
+    spec = layer_cache.spec
+    c = k.shape[1]
+    _check_q(q, spec.kv_heads, spec.head_dim, spec.batch)
+    if q.shape[1] != c:
+        raise ValueError(f"q has C={q.shape[1]} queries and k C={c} tokens: expected one query per new token")
+    if c > spec.window:  # raises for an explicit kernel; "auto" gives "xla"
+        resolve(implementation, spec, c, q.shape[2] // spec.kv_heads, interpret=interpret)
+    cache = updates.append(layer_cache, k, v, layer_params, implementation="xla" if implementation == "xla" else "auto",
+                           interpret=interpret)
+    if c <= spec.window:
+        o, lse = attend(q, cache, layer_params, implementation=implementation, softmax_scale=softmax_scale,
+                        interpret=interpret)
+    else:
+        o, lse = reference.attend(q, cache, layer_params, softmax_scale, own=updates.stored_kv(k, v, layer_params))
+    return o, lse, cache
 
 
 def attend_window(q: jax.Array, ring: RingCache, *, softmax_scale: float | None = None

@@ -14,7 +14,8 @@ Pure functions, jit-friendly: `write_prompt` (the bulk write, through `updates.w
 implementations, then each history page scattered to its pool page), `append` (decode and
 extend: the evicted tokens written into their pages), `attend` (through the block table:
 `"xla"` gathers the pages into the contiguous layout and runs the reference; the TPU, Triton
-and Mosaic GPU kernels read the pages in place), `read_slot` / `write_slot` (a slot's rows and
+and Mosaic GPU kernels read the pages in place), `append_attend` (a chunk of any length,
+`attention.append_attend`'s rule), `read_slot` / `write_slot` (a slot's rows and
 pages, to swap to host memory and back). `PageAllocator` is the host-side free list an engine
 allocates from. The design: docs/paged.md.
 """
@@ -244,8 +245,8 @@ def insert(cache: PagedCache, slots, part: OscarCache, keep=None) -> PagedCache:
 
 
 def append(cache: PagedCache, k: jax.Array, v: jax.Array, params: LayerParams) -> PagedCache:
-    """`updates.append` into a paged cache: k, v [B, C, Hkv, D] (C <= W) enter the slots'
-    sink or ring; the tokens they evict are written into their pages, one token at a time
+    """`updates.append` into a paged cache: k, v [B, C, Hkv, D] (any C <= max_len) enter the
+    slots' sink or ring; the tokens they evict are written into their pages, one token at a time
     (decode's read-modify-write of one byte row per page). A slot whose table lacks the page
     an evicted token goes to raises outside jit; inside jit the token is dropped and the slot
     flagged in `overflow`."""
@@ -286,6 +287,39 @@ def attend(q: jax.Array, cache: PagedCache, params: LayerParams, *, implementati
     interpret: Pallas interpret mode."""
     spec = cache.spec
     attention_check(q, cache, params)
+    if q.shape[1] > spec.window:
+        raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call (a longer chunk "
+                         "attends through append_attend)")
+    name = _resolve(q, cache, implementation, interpret)
+    return dispatch.get("paged_attend", name)(q, cache, params, softmax_scale=softmax_scale, interpret=interpret)
+
+
+def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedCache, params: LayerParams, *,
+                  implementation: str = "auto", softmax_scale: float | None = None, interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array, PagedCache]:
+    """`attention.append_attend` over a paged cache: `append` of k, v [B, C, Hkv, D], then the C
+    queries q [B, C, Hq, D] attend -> (o, lse, cache). C <= W: `attend` (any implementation);
+    C > W: the pages gathered, then `reference.attend(own=...)` (XLA; an explicit kernel raises)."""
+    spec = cache.spec
+    c = k.shape[1]
+    attention_check(q, cache, params)
+    if q.shape[1] != c:
+        raise ValueError(f"q has C={q.shape[1]} queries and k C={c} tokens: expected one query per new token")
+    if c > spec.window:
+        _resolve(q, cache, implementation, interpret)
+    cache = append(cache, k, v, params)
+    if c <= spec.window:
+        o, lse = attend(q, cache, params, implementation=implementation, softmax_scale=softmax_scale,
+                        interpret=interpret)
+    else:
+        o, lse = reference.attend(q, gather(cache), params, softmax_scale, own=updates.stored_kv(k, v, params))
+    return o, lse, cache
+
+
+def _resolve(q: jax.Array, cache: PagedCache, implementation: str, interpret: bool) -> str:
+    """The implementation `attend` runs: `dispatch`'s choice, XLA under "auto" where the page size
+    suits no kernel (an explicit kernel that does not read these pages raises)."""
+    spec = cache.spec
     name = dispatch.resolve("paged_attend", implementation, spec, queries=q.shape[1],
                             group=q.shape[2] // spec.kv_heads, interpret=interpret)
     if not _PAGES_READ[name](cache.page_tokens // spec.quant.tokens_per_byte):
@@ -293,7 +327,7 @@ def attend(q: jax.Array, cache: PagedCache, params: LayerParams, *, implementati
             raise ValueError(f"implementation={name!r} does not read pages of {cache.page_tokens} tokens "
                              f"({_PAGES_READ_TEXT[name]}); use 'xla' or 'auto'")
         name = "xla"
-    return dispatch.get("paged_attend", name)(q, cache, params, softmax_scale=softmax_scale, interpret=interpret)
+    return name
 
 
 def attention_check(q: jax.Array, cache: PagedCache, params: LayerParams) -> None:
@@ -301,8 +335,6 @@ def attention_check(q: jax.Array, cache: PagedCache, params: LayerParams) -> Non
     b, h, d = spec.batch, spec.kv_heads, spec.head_dim
     if q.ndim != 4 or q.shape[0] != b or q.shape[3] != d or q.shape[2] % h:
         raise ValueError(f"q.shape={q.shape}: expected [B={b}, C, Hq, D={d}] with Hq a multiple of Hkv={h}")
-    if q.shape[1] > spec.window:
-        raise ValueError(f"q has C={q.shape[1]} queries; at most window W={spec.window} per call")
     check_params(spec, params, "attend")
 
 
@@ -350,12 +382,13 @@ def _xla_attend(q, cache: PagedCache, params: LayerParams, softmax_scale=None, i
 
 
 dispatch.register("paged_attend", "xla", _xla_attend)
-dispatch.register("paged_attend", "pallas_tpu", attention.kernel_attend(_tpu_attention.mixed_attention, paged=True))
+dispatch.register("paged_attend", "pallas_tpu", attention.kernel_attend(_tpu_attention.mixed_attention, paged=True),
+                  supports=attention.within_window())
 dispatch.register("paged_attend", "pallas", attention.kernel_attend(_gpu_attention.mixed_attention, paged=True),
-                  supports=lambda spec, queries, group: _gpu_attention.supports(spec))
+                  supports=attention.within_window(lambda spec, queries, group: _gpu_attention.supports(spec)))
 dispatch.register("paged_attend", "pallas_mosaic_gpu",
                   attention.kernel_attend(_mgpu_attention.mixed_attention, rotates=True, paged=True),
-                  supports=_mgpu_attention.supports)
+                  supports=attention.within_window(_mgpu_attention.supports))
 
 
 def read_slot(cache: PagedCache, slot, page_ids) -> dict[str, jax.Array]:

@@ -1,9 +1,11 @@
 """Pure-jnp attention over the mixed cache: the oracle every kernel is tested against.
 
-Contract (docs/method.md §4): the C new tokens have ALREADY been appended, so with
-n = lengths, query c sits at position n - C + c and attends causally to the sink
-(bf16) ++ dequantised history ++ recent ring (bf16). Each segment yields a
-normalised partial output and its log-sum-exp; `merge_partials` combines them
+Contract (docs/method.md §4, docs/ARCHITECTURE.md §5): the C new tokens have ALREADY been
+appended, so with n = lengths, query c sits at position n - C + c and attends causally to the
+sink (bf16) ++ dequantised history ++ recent ring (bf16). A chunk longer than the window
+(C > W) has written its own first C - W tokens into the history; its queries see the tokens
+before it as the cache holds them and its own tokens as written (bf16, `own=`), causally. Each
+segment yields a normalised partial output and its log-sum-exp; `merge_partials` combines them
 exactly. Computed in float32 at HIGHEST precision.
 """
 
@@ -75,10 +77,13 @@ def shift_lse(lse: jax.Array, q: jax.Array, params: LayerParams, scale: float) -
 def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
            softmax_scale: float | None = None, *, history_offset=0,
            gather_history: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None,
-           ) -> tuple[jax.Array, jax.Array]:
+           own: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """q: [B, C, Hq, D] post-RoPE, unrotated -> (o [B, C, Hq, D] in q.dtype, lse f32 [B, C, Hq]).
 
     o is in the model's basis unless params.v_folded (then in the R_V basis).
+    own: the chunk's K/V as the cache stores them (`updates.stored_kv`: bf16 [B, Hkv, C, D]),
+    needed when C > W: its queries then see the sink and history before the chunk (all of it)
+    and the chunk's own tokens from `own`, causally, in blocks of W queries.
     Sequence parallelism (`oscar_jax.parallel`): the cache's history arrays may hold only
     history indices [history_offset, history_offset + T_local) of a longer history (int or
     traced int32), and gather_history(o, lse) returns the history partials of every slice
@@ -86,36 +91,88 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     """
     spec = cache.spec
     c, d = q.shape[1], q.shape[3]
+    if c > spec.window and own is None:
+        raise ValueError(f"q has C={c} queries, more than the window W={spec.window}: such a chunk attends to its "
+                         "own tokens as written (pass own=updates.stored_kv(k, v, params); "
+                         "attention.append_attend does)")
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    n = cache.lengths
-    qp = query_positions(n, c)  # [B, C]
     qr = jnp.einsum("bhgcd,hde->bhgce", _split_heads(q.astype(jnp.float32), spec.kv_heads),
                     params.query_rot, precision=_HI)
+    common = dict(cache=cache, scale=scale, history_offset=history_offset, gather_history=gather_history)
+    if own is None:
+        o, lse = merge_partials(*_segments(qr, **common))
+    else:
+        block = lambda qb, first: merge_partials(*_chunk_segments(qb, own=own, first=first, **common))
+        o, lse = _by_query_blocks(block, qr, spec.window)
+    if not params.v_folded:
+        o = jnp.einsum("bhgce,hde->bhgcd", o, params.output_rot, precision=_HI)
+    lse = jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])
+    return _merge_heads(o).astype(q.dtype), shift_lse(lse, q, params, scale)
 
+
+def _history_segments(qr, cache: OscarCache, visible, scale, history_offset, gather_history):
+    """The history's partials: ([o [B, H, g, C, D]], [lse]) per slice (one without sequence
+    parallelism), visible(hist_pos [1, 1, T]) -> mask [B, C, T]; none without a history."""
+    hist_k = cache.dequantized_hist("k")
+    if not hist_k.shape[-2]:
+        return [], []
+    hist_pos = cache.spec.sink + history_offset + jnp.arange(hist_k.shape[-2])[None, None, :]
+    o_h, lse_h = segment_attention(qr, hist_k, cache.dequantized_hist("v"), visible(hist_pos), scale)
+    o_h, lse_h = (o_h[None], lse_h[None]) if gather_history is None else gather_history(o_h, lse_h)
+    return list(o_h), list(lse_h)
+
+
+def _segments(qr, *, cache: OscarCache, scale, history_offset, gather_history):
+    """C <= W queries, the chunk appended: sink, history and ring partials (lists of o, lse)."""
+    spec = cache.spec
+    c = qr.shape[3]
+    n = cache.lengths
+    qp = query_positions(n, c)  # [B, C]
     s0, w = spec.sink, spec.window
     f32 = lambda x: x.astype(jnp.float32)
     sink_pos = jnp.arange(s0)[None, None, :]
     o_s, lse_s = segment_attention(qr, f32(cache.sink_k), f32(cache.sink_v),
                                    (sink_pos < n[:, None, None]) & (sink_pos <= qp[..., None]), scale)
-    outs, lses = [o_s], [lse_s]
-    hist_k = cache.dequantized_hist("k")
-    if hist_k.shape[-2]:
-        hist_pos = s0 + history_offset + jnp.arange(hist_k.shape[-2])[None, None, :]
-        visible = (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None])
-        o_h, lse_h = segment_attention(qr, hist_k, cache.dequantized_hist("v"), visible, scale)
-        o_h, lse_h = (o_h[None], lse_h[None]) if gather_history is None else gather_history(o_h, lse_h)
-        outs += list(o_h)
-        lses += list(lse_h)
+    o_h, lse_h = _history_segments(
+        qr, cache, lambda hist_pos: (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None]), scale,
+        history_offset, gather_history)
     rpos = ring_positions(n, s0, w)[:, None, :]
     o_r, lse_r = segment_attention(qr, f32(cache.recent_k), f32(cache.recent_v),
                                    (rpos >= 0) & (rpos <= qp[..., None]), scale)
-    outs.append(o_r)
-    lses.append(lse_r)
-    o, lse = merge_partials(outs, lses)
-    if not params.v_folded:
-        o = jnp.einsum("bhgce,hde->bhgcd", o, params.output_rot, precision=_HI)
-    lse = jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])
-    return _merge_heads(o).astype(q.dtype), shift_lse(lse, q, params, scale)
+    return [o_s, *o_h, o_r], [lse_s, *lse_h, lse_r]
+
+
+def _chunk_segments(qb, *, cache: OscarCache, scale, history_offset, gather_history, own, first):
+    """Queries first .. first + Cb - 1 (qb [B, H, g, Cb, D]) of a C-token chunk the cache has
+    taken (C = own's length): sink and history before the chunk, and the chunk's own tokens
+    (own: bf16 [B, H, C, D] each) causally. Lists of (o, lse) partials."""
+    spec = cache.spec
+    b, cb = qb.shape[0], qb.shape[3]
+    own_k, own_v = (x.astype(jnp.float32) for x in own)
+    c = own_k.shape[2]
+    before = (cache.lengths - c)[:, None, None]  # [B, 1, 1]: tokens held before the chunk
+    held = lambda pos: jnp.broadcast_to(pos < before, (b, cb, pos.shape[-1]))
+    o_s, lse_s = segment_attention(qb, cache.sink_k.astype(jnp.float32), cache.sink_v.astype(jnp.float32),
+                                   held(jnp.arange(spec.sink)[None, None, :]), scale)
+    o_h, lse_h = _history_segments(qb, cache, held, scale, history_offset, gather_history)
+    causal = jnp.arange(c)[None, :] <= (first + jnp.arange(cb))[:, None]  # [Cb, C]
+    o_o, lse_o = segment_attention(qb, own_k, own_v, jnp.broadcast_to(causal, (b, cb, c)), scale)
+    return [o_s, *o_h, o_o], [lse_s, *lse_h, lse_o]
+
+
+def _by_query_blocks(fn, qr: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """fn(q block [B, H, g, Cb, D], index of its first query) -> (o, lse) over qr [B, H, g, C, D]
+    in blocks of at most `block` queries, one after another (memory of one block's scores)."""
+    c = qr.shape[3]
+    if c <= block:
+        return fn(qr, 0)
+    count = -(-c // block)
+    qp = jnp.pad(qr, [(0, 0)] * 3 + [(0, count * block - c), (0, 0)])
+    blocks = jnp.moveaxis(qp.reshape(qp.shape[:3] + (count, block, qp.shape[-1])), 3, 0)
+    o, lse = jax.lax.map(lambda a: fn(*a), (blocks, jnp.arange(count) * block))
+    o = jnp.moveaxis(o, 0, 3).reshape(qp.shape)[:, :, :, :c]
+    lse = jnp.moveaxis(lse, 0, 3).reshape(qp.shape[:-1])[..., :c]
+    return o, lse
 
 
 def attend_window(q: jax.Array, cache: RingCache,

@@ -151,10 +151,11 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *
            implementation: str = "auto", interpret: bool = False, history_offset=0) -> OscarCache:
     """Append C new tokens to every sequence of one layer's cache.
 
-    k, v: [B, C, Hkv, D] post-RoPE, unrotated, C <= W. The tokens are rotated on
-    entry; the C oldest recent tokens that leave the ring are quantised into the
-    history. A row whose lengths + C would pass max_len raises outside jit; inside
-    jit it is left unchanged and its `overflow` flag is set.
+    k, v: [B, C, Hkv, D] post-RoPE, unrotated, any C <= max_len. The tokens are rotated on
+    entry; the C tokens that leave the ring (the oldest recent ones, and past C = W the
+    chunk's own first C - W) are quantised into the history: the cache afterwards is bit
+    for bit what C one-token appends leave. A row whose lengths + C would pass max_len raises
+    outside jit; inside jit it is left unchanged and its `overflow` flag is set.
     implementation: `oscar_jax.dispatch`'s names: "xla", or "pallas" (the Triton
     one-token kernel `append_token`, C = 1); "auto" takes the kernel on GPU where it
     applies. interpret: run a kernel implementation in Pallas interpret mode (tests).
@@ -182,49 +183,61 @@ def append(cache: OscarCache, k: jax.Array, v: jax.Array, params: LayerParams, *
     return append_with(cache, k, v, params, write_history)
 
 
+def stored_kv(k: jax.Array, v: jax.Array, params: LayerParams) -> tuple[jax.Array, jax.Array]:
+    """k, v [B, C, Hkv, D] (post-RoPE, model basis) as the cache's bf16 segments store them:
+    keys shifted by `params.k_shift`, both rotated -> (k_rot, v_rot) bf16 [B, Hkv, C, D]."""
+    return (_rotate(shifted_keys(k, params), params.rot_k).astype(STORE_DTYPE),
+            _rotate(v, params.rot_v).astype(STORE_DTYPE))
+
+
 def append_with(cache, k: jax.Array, v: jax.Array, params: LayerParams, write_history):
     """`append`'s sink and ring update, the history write left to `write_history(which, q,
     start, ok) -> {field: array}` (which "k" or "v"; q the evicted tokens quantised, unpacked:
     codes [B, H, C, D], lo/scale [B, H, C, G]; evicted token i goes to history index
     start + i where that is >= 0, start int32 [B]; ok bool [B]: the row takes the append).
     `cache` is any per-layer cache with `OscarCache`'s spec, sink_*, recent_*, lengths and
-    overflow fields (`oscar_jax.paged.PagedCache` writes its history through a block table)."""
+    overflow fields (`oscar_jax.paged.PagedCache` writes its history through a block table).
+
+    New token i (position n + i) pushes position n + i - W out of the ring: the ring's token
+    for i < W, the chunk's own token i - W past it (C > W); only the chunk's last W tokens
+    enter the ring."""
     spec = cache.spec
     b = spec.batch
     c = k.shape[1]
-    if c > spec.window:
-        raise ValueError(f"chunk C={c} must be <= window W={spec.window}")
-    k = shifted_keys(k, params)
+    if c > spec.max_len:
+        raise ValueError(f"k has C={c} tokens: a chunk holds at most the cache's max_len={spec.max_len}")
     s0, w = spec.sink, spec.window
     n = cache.lengths
     ok = _check_append(spec.max_len, n, c)
     pos = n[:, None] + jnp.arange(c)[None, :]  # [B, C]
 
-    def update(which, x, rot, clip):
-        x_rot = _rotate(x, rot).astype(STORE_DTYPE)  # [B, H, C, D]
+    def update(which, x_rot, clip):  # x_rot [B, H, C, D] bf16
         sink = getattr(cache, f"sink_{which}")
         ring = getattr(cache, f"recent_{which}")
         bidx = jnp.arange(b)[:, None]
         # Tokens leaving the ring: slot of new position p held position p - W.
         slot = jnp.mod(pos - s0, w)
-        evicted = ring[bidx, :, slot]  # [B, C, H, D]
+        evicted = ring[bidx, :, slot[:, :min(c, w)]]  # [B, min(C, W), H, D]
         # The ring is read here and written in place below: tying the two makes the read come
         # first, so XLA updates the ring in place instead of copying it.
         ring, evicted = jax.lax.optimization_barrier((ring, evicted))
-        evicted = jnp.moveaxis(evicted, 1, 2)  # [B, H, C, D]
+        evicted = jnp.moveaxis(evicted, 1, 2)  # [B, H, min(C, W), D]
+        in_ring = (pos >= s0) & ok[:, None]
+        if c > w:  # the chunk's first C - W tokens pass through the ring: evicted, never written there
+            evicted = jnp.concatenate([evicted, x_rot[:, :, :c - w]], axis=2)
+            in_ring &= jnp.arange(c)[None, :] >= c - w
         q = quant.quantize(evicted, spec.quant, clip)
         # New token i evicts history index n + i - W - S0 (kept where >= 0).
         hist = write_history(which, q, n - w - s0, ok)
         in_sink = (pos < s0) & ok[:, None]
         sink = sink.at[bidx, :, jnp.where(in_sink, pos, s0)].set(
             jnp.moveaxis(x_rot, 2, 1), mode="drop")
-        in_ring = (pos >= s0) & ok[:, None]
         ring = ring.at[bidx, :, jnp.where(in_ring, slot, w)].set(
             jnp.moveaxis(x_rot, 2, 1), mode="drop")
         return {f"sink_{which}": sink, f"recent_{which}": ring, **hist}
 
-    updates = {**update("k", k, params.rot_k, params.clip_k),
-               **update("v", v, params.rot_v, params.clip_v)}
+    k_rot, v_rot = stored_kv(k, v, params)
+    updates = {**update("k", k_rot, params.clip_k), **update("v", v_rot, params.clip_v)}
     return dataclasses.replace(
         cache, **updates, lengths=jnp.where(ok, n + c, n), overflow=cache.overflow | ~ok)
 

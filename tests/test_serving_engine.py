@@ -60,9 +60,10 @@ def _engine(model, policy, chunk: int | None) -> Engine:
 
 
 @pytest.mark.parametrize("model_name,policy_name,chunk", [("llama", "oscar", None), ("local-global", "oscar", 4),
-                                                          ("llama", "fp8", None)])
+                                                          ("local-global", "oscar", 16), ("llama", "fp8", None)])
 def test_engine_output_equals_request_alone(model_name, policy_name, chunk):
-    """chunk: prompts enter in a first prefill of 1..4 tokens, then chunks of 4 between decode steps."""
+    """chunk: prompts enter in a first prefill of 1..C tokens, then chunks of C between decode steps
+    (C = 16: chunks twice the oscar policy's window of 8)."""
     model, policy = MODELS[model_name](), POLICIES[policy_name]
     reqs = _requests()
     engine = _engine(model, policy, chunk)

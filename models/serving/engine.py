@@ -13,10 +13,12 @@ every running sequence; `run` steps until every request is done.
 - Prefill: one prompt at a time, right-padded to a bucket length (powers of two), through
   `generate.prefill` into a one-row cache of the policy, then inserted into the request's slot
   and pages (`paged.insert`); its last logits give the first token. With `prefill_chunk=C`
-  the prompt's first 1..C tokens are prefilled so and the rest enters in chunks of C through
-  `generate.extend` (each chunk attends to itself in the bf16 ring and to the earlier chunks
-  through the cache), `chunks_per_step` chunks a step over the prefilling requests, first come
-  first served, between decode steps; the row is inserted after its last chunk.
+  (any C; longer than the window, a chunk's attention runs in XLA) the prompt's first 1..C
+  tokens are prefilled so and the rest enters in chunks of C through `generate.extend` (each
+  chunk attends to its own tokens as written, bf16, and to the earlier chunks through the
+  cache: `oscar_jax.attention.append_attend`), `chunks_per_step` chunks a step over the
+  prefilling requests, first come first served, between decode steps; the row is inserted
+  after its last chunk.
 - Sampling: temperature, top_p and the seed are per-row arrays of the one compiled step (not
   static arguments); token i of a request draws with `fold_in(key(seed), i)`, so a request's
   tokens do not depend on what else runs beside it.
@@ -184,7 +186,7 @@ class Engine:
     policy: a `kv_policy.QuantPolicy` (paged full-attention layers) or `DensePolicy`; slots: the
     compiled decode batch; max_len: tokens a slot holds at most (rounded up to whole pages);
     page_tokens, num_pages: the pool (OSCAR policies); min_bucket: the shortest prefill length;
-    prefill_chunk, chunks_per_step: chunked prefill (module docstring; C <= the policy's window);
+    prefill_chunk, chunks_per_step: chunked prefill (module docstring);
     prefix_cache: keep prompt prefixes (needs prefill_chunk dividing page_tokens; dense policies
     cut them every page_tokens too); prefix_cache_bytes: host memory its snapshots and dense
     rows may take before unreferenced entries are evicted.
