@@ -102,9 +102,10 @@ def _on_shards(fn, cache: OscarCache, params: LayerParams, args: tuple, arg_spec
 def append_attend(cache: OscarCache, params: LayerParams, q: jax.Array, k: jax.Array, v: jax.Array, *,
                   mesh: Mesh, implementation: str = "auto", softmax_scale: float | None = None,
                   rules: dict[str, str] | None = None) -> tuple[jax.Array, OscarCache]:
-    """`updates.append` of k, v then `attention.attend` of q over one layer's cache sharded on
-    `mesh` (`sharding.shardings(cache, mesh, rules)`), each device on its shard.
-    q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE (global shapes). Returns (o [B, C, Hq, D], cache)."""
+    """`attention.append_attend` of a chunk (k, v appended, then q attends; any C) over one
+    layer's cache sharded on `mesh` (`sharding.shardings(cache, mesh, rules)`), each device on
+    its shard. q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE (global shapes).
+    Returns (o [B, C, Hq, D], cache)."""
     qkv = _query_spec(sharding.partition_specs(cache, mesh, rules))
     seq = seq_axis(cache, mesh, rules)
     if seq is not None and implementation not in ("auto", "xla"):
@@ -113,9 +114,10 @@ def append_attend(cache: OscarCache, params: LayerParams, q: jax.Array, k: jax.A
 
     def body(cache, params, q, k, v):
         if seq is None:
-            cache = updates.append(cache, k, v, params)
-            return attention.attend(q, cache, params, implementation=implementation,
-                                    softmax_scale=softmax_scale)[0], cache
+            o, _, cache = attention.append_attend(q, k, v, cache, params, implementation=implementation,
+                                                  softmax_scale=softmax_scale)
+            return o, cache
+        own = updates.stored_kv(k, v, params) if k.shape[1] > cache.spec.window else None
         offset = jax.lax.axis_index(seq) * (cache.hist_codes_k.shape[-2] * cache.spec.quant.tokens_per_byte)
         cache = updates.append(cache, k, v, params, history_offset=offset)
 
@@ -123,7 +125,8 @@ def append_attend(cache: OscarCache, params: LayerParams, q: jax.Array, k: jax.A
             parts = jax.lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), seq)
             return parts[..., :-1], parts[..., -1]
 
-        return reference.attend(q, cache, params, softmax_scale, history_offset=offset, gather_history=gather)[0], cache
+        return reference.attend(q, cache, params, softmax_scale, history_offset=offset, gather_history=gather,
+                                own=own)[0], cache
 
     return _on_shards(body, cache, params, (q, k, v), (qkv,) * 3, qkv, mesh, rules)
 

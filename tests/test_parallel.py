@@ -117,6 +117,25 @@ def test_decode_loop_on_a_mesh_compiles_once_and_decodes_like_one_device(model, 
     np.testing.assert_array_equal(np.asarray(out), tokens.T)
 
 
+@pytest.mark.parametrize("mesh_name", ["data2-model4", "model2-seq4"])
+def test_chunk_longer_than_the_window_on_a_mesh(model, mesh_name):
+    """After the prompts, one teacher-forced chunk of 20 tokens (window 8): the one-device logits
+    and cache lengths, with the chunk's first tokens pushed into a history split over `seq`."""
+    chunk = np.random.default_rng(1).integers(0, CFG.vocab_size, (len(LENGTHS), 20)).astype(np.int32)
+
+    def run(m, mesh):
+        kv = gen.init_state(m, POLICY, len(LENGTHS), int(LENGTHS.max()) + chunk.shape[1], chunk=chunk.shape[1],
+                            mesh=mesh)
+        _, kv = gen.prefill(m, kv, PROMPTS, LENGTHS)
+        logits, kv = gen.extend(m, kv, chunk)
+        return np.asarray(logits), np.asarray(kv.lengths)
+
+    mesh = _mesh(mesh_name)
+    (want, want_lengths), (got, got_lengths) = run(model, None), run(parallel.shard(model, mesh), mesh)
+    np.testing.assert_array_equal(got_lengths, want_lengths)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("tp", [4, 2])
 def test_weights_load_straight_into_their_shards(tp):
     """An HF checkpoint (2 KV heads) on data x model: w_qkv column-parallel in whole KV-head groups
