@@ -14,7 +14,7 @@ by `--scale` (a tiny model on the CPU runs the same workload shape in seconds).
 Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process, with random
 weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
 slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
-Both modes prefill in chunks of a page (the window where shorter), so on and off differ by
+Both modes prefill in chunks of a page, so on and off differ by
 the cache only. A
 warm-up (a prompt per prefill bucket, and for the prefix cache one that compiles its chunk
 shapes) runs first, so no timed step compiles. Recorded per run: requests/s and output
@@ -87,7 +87,7 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int) -> Engine:
     tiny = args.model == "tiny"
     policy = TINY_OSCAR if tiny and kv == "oscar" else kv_policy.make_policy(kv)
     page = max(16, round(args.page_tokens * args.scale)) if tiny else args.page_tokens
-    chunk = min(page, policy.window) if isinstance(policy, kv_policy.QuantPolicy) else page
+    chunk = page
     budget = args.kv_gib * 2**30
     if isinstance(policy, kv_policy.QuantPolicy):
         pages = max(1, int(budget // page_bytes(policy, cfg, max_len, chunk, page)))

@@ -4,7 +4,7 @@
   prompts (flash attention on a GPU), then a bulk write of that layer's k, v into its
   cache; projections and MLP in token chunks, so memory follows one layer, not the model.
 - `extend`: C teacher-forced tokens per sequence through the cache
-  (append-then-attend; C <= the policy's chunk limit) -> logits for all C.
+  (`attention.append_attend`'s rule, any C) -> logits for all C.
 - `decode_step` / `decode`: one token, or a `lax.while_loop` of tokens, with
   greedy or temperature/top-p sampling from an explicit PRNG key; the cache is
   donated and updated in place, and the host sees the loop only between segments.
