@@ -119,17 +119,19 @@ def test_attention_error_matches_float64_loop(rotation, center):
     assert np.all(got > 0)
 
 
+def _outlier_draw(rng, b: int):
+    """Planted q, k, v of b sequences of 64 tokens, with heavy-tailed outliers in key channels 0-1."""
+    q, k, v, *_ = planted(rng, b=b, t=64)
+    return q, (k + 3.0 * rng.standard_normal(k.shape) ** 3 * (np.arange(D) < 2)).astype(np.float32), v
+
+
 def test_training_lowers_the_held_aside_error_against_its_initial_rotation():
     """Planted activations (query energy where the keys are small, outlier key channels):
     after training from U·H·P on one draw, the served attention-output error on another
     draw is below U·H·P's at the same clips, in every layer."""
     rng = np.random.default_rng(0)
 
-    def draw(b):
-        q, k, v, *_ = planted(rng, b=b, t=64)
-        return q, (k + 3.0 * rng.standard_normal(k.shape) ** 3 * (np.arange(D) < 2)).astype(np.float32), v
-
-    train, held = draw(8), draw(4)
+    train, held = _outlier_draw(rng, 8), _outlier_draw(rng, 4)
     st = cal.statistics(stream(*train))
     cfg, grid, sink, window = QuantConfig(), (0.8, 0.9, 1.0), 4, 8
     config = learn.LearnConfig(epochs=10, steps_per_batch=1, queries=32, learning_rate=1e-2)
@@ -150,11 +152,7 @@ def test_learning_from_the_error_shaped_rotation():
     same clips in every layer."""
     rng = np.random.default_rng(5)
 
-    def draw(b):
-        q, k, v, *_ = planted(rng, b=b, t=64)
-        return q, (k + 3.0 * rng.standard_normal(k.shape) ** 3 * (np.arange(D) < 2)).astype(np.float32), v
-
-    train, held = draw(8), draw(4)
+    train, held = _outlier_draw(rng, 8), _outlier_draw(rng, 4)
     st = cal.statistics(stream(*train))
     cfg, sink, window = QuantConfig(group_size=8), 4, 8
     init = cal.rotation_for(st, "k", "shaped/head", 8), cal.rotation_for(st, "v", "shaped/head", 8)
