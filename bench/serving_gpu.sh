@@ -7,7 +7,8 @@
 #   roofline-llama    bf16 and oscar at batch 1, 8, 32 (every cell that fits), 8K and 32K
 #   roofline-llama-128k the same at 128K, batch 1 and 8
 #   budget-qwen       bf16, oscar, fp8, int8 for the Qwen3-8B shape, 8K and 32K
-#   workload-KV       the Poisson workload through the engine (bench/workload.py), KV one of oscar, bf16, fp8
+#   workload-KV-P     the Poisson workload through the engine (bench/workload.py, 1 request/s), KV one of
+#                     oscar, bf16, fp8, P the prefix cache: on or off
 #   load-KV           `oscar serve` under bench/load_test.py (prompts 1K-8K, 256 output tokens), KV oscar or bf16
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,12 +17,12 @@ dev=$(python3 -c "from oscar_jax.models import results as r; print(r.device_fold
 # Start `oscar serve` for the 8B shape with cache $1 and $2 slots, load it, stop it with SIGTERM.
 load() {
   oscar serve --model llama3-8b --random-weights --dtype bfloat16 --kv "$1" --slots "$2" --max-len 16384 \
-      --port 8000 & local pid=$!
+      --prefill-chunk 256 --chunks-per-step 8 --max-prefills 1 --port 8000 & local pid=$!
   until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health')" 2> /dev/null; do
     kill -0 $pid 2> /dev/null || { echo "oscar serve exited" >&2; return 1; }; sleep 2
   done
   python3 bench/load_test.py --model llama3-8b --vocab 128256 --prompt-tokens 1024,8192 --max-tokens 256 \
-      --levels 8,16,32,64,128 --duration 60 --out "bench/results/$dev/load_llama3-8b_$1.json"
+      --levels 4,16,64 --duration 60 --out "bench/results/$dev/load_llama3-8b_$1.json"
   kill -TERM $pid; wait $pid
 }
 for job in "$@"; do
@@ -36,8 +37,9 @@ for job in "$@"; do
         --batch 1,8 --ttft-kv none --steps 16 --out "bench/results/$dev/decode_roofline_llama3-8b_128k.json" ;;
     budget-qwen) oscar bench --model qwen3-8b --random-weights --kv bf16,oscar,fp8,int8 \
         --contexts 8K,32K --ttft-kv bf16,oscar --out "bench/results/$dev/serving_budget_qwen3-8b.json" ;;
-    workload-oscar|workload-bf16|workload-fp8) python3 bench/workload.py --kv "${job#workload-}" \
-        --prefix-cache off,on --rate 0.5 --out "bench/results/$dev/workload_llama3-8b_${job#workload-}.json" ;;
+    workload-oscar-o[nf]*|workload-bf16-o[nf]*|workload-fp8-o[nf]*) w=${job#workload-}
+        python3 bench/workload.py --kv "${w%-*}" --prefix-cache "${w##*-}" --rate 1 \
+        --out "bench/results/$dev/workload_llama3-8b_${w%-*}_prefix-${w##*-}.json" ;;
     load-oscar) load oscar 64 ;;
     load-bf16) load bf16 24 ;;
     *) echo "unknown job $job" >&2; exit 2 ;;

@@ -1,7 +1,7 @@
 """The serving engine under a Poisson workload: requests/s, output tokens/s, TTFT/TPOT, pages.
 
-    python bench/workload.py --kv bf16,fp8,oscar --prefix-cache off,on --rate 0.5 \\
-        --out bench/results/h100/workload_llama3-8b.json            # Llama-3-8B shape, one GPU
+    python bench/workload.py --kv oscar --prefix-cache on --rate 1 \\
+        --out bench/results/h100/workload_llama3-8b_oscar.json      # Llama-3-8B shape, one GPU
     python bench/workload.py --model tiny --scale 0.002 --requests 16 --out /tmp/w.json   # CPU
 
 `--requests` requests arrive as a Poisson process of `--rate` requests/s (exponential gaps,
@@ -14,10 +14,10 @@ by `--scale` (a tiny model on the CPU runs the same workload shape in seconds).
 Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process, with random
 weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
 slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
-Both modes prefill in chunks of a page, so on and off differ by
-the cache only. A
-warm-up (a prompt per prefill bucket, and for the prefix cache one that compiles its chunk
-shapes) runs first, so no timed step compiles. Recorded per run: requests/s and output
+Both modes prefill in chunks of a page, `--chunks-per-step` chunks between two decode steps,
+`--max-prefills` prompts at once, so on and off differ by the cache only. `Engine.warm_up`
+runs first, so no timed step compiles (the record counts any that do). SIGTERM stops the run
+in progress and writes what finished, marked incomplete. Recorded per run: requests/s and output
 tokens/s end to end (first arrival to last finish), decode-phase output tokens/s (tokens of
 the decode steps over their wall time, prefill excluded), TTFT and TPOT p50/p99 (TTFT from
 the arrival), prefill tokens computed and restored from the prefix cache, the share of the
@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +49,7 @@ from oscar_jax.models.serving import Engine, Request
 
 TINY = ModelConfig(family="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=32, rms_eps=1e-6, rope_theta=1e4, layer_types=("full_attention",) * 2)
+STOP = threading.Event()  # SIGTERM sets it: the run in progress stops and is recorded as incomplete
 # The tiny model's OSCAR cache and pages, scaled down with it: sink 4, window 8, pages of 16 tokens.
 TINY_OSCAR = kv_policy.QuantPolicy("oscar", kv_policy.QuantConfig(bits=2), 4, 8, clip_k=0.96, clip_v=0.92)
 
@@ -91,26 +94,13 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int) -> Engine:
     budget = args.kv_gib * 2**30
     if isinstance(policy, kv_policy.QuantPolicy):
         pages = max(1, int(budget // page_bytes(policy, cfg, max_len, chunk, page)))
-        return Engine(model, policy, slots=args.oscar_slots, max_len=max_len, page_tokens=page, num_pages=pages,
-                      prefill_chunk=chunk, prefix_cache=prefix)
-    token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(policy.dtype).itemsize
-    slots = max(1, int(budget // (token_bytes * max_len)))
-    return Engine(model, policy, slots=slots, max_len=max_len, page_tokens=page, prefill_chunk=chunk,
+        slots = args.oscar_slots
+    else:
+        token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(policy.dtype).itemsize
+        slots, pages = max(1, int(budget // (token_bytes * max_len))), None
+    return Engine(model, policy, slots=slots, max_len=max_len, page_tokens=page, num_pages=pages,
+                  prefill_chunk=chunk, chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills,
                   prefix_cache=prefix)
-
-
-def warm_up(engine: Engine, lo: int, hi: int, vocab: int, rng: np.random.Generator) -> None:
-    """A prompt per prefill bucket in [lo, hi] (and with the prefix cache, one whose segments
-    use every extend chunk shape, twice: the second restores it), two tokens each."""
-    lengths = sorted({b for b in engine.buckets if lo <= b <= hi} | {lo, hi})
-    bounds = engine.prefix_bounds(engine.capacity) if engine.prefix is not None else []
-    if bounds:
-        n = bounds[0] + engine.page_tokens + engine.chunk - 1
-        lengths += [n, n] if n + 2 <= engine.capacity else []
-    prompt = rng.integers(0, vocab, max(lengths)).tolist()
-    for n in lengths:
-        engine.submit(Request(tuple(prompt[:n]), 2))
-        engine.run()
 
 
 def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, shared: int) -> dict:
@@ -121,7 +111,7 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
     arrival, first, finish, pages = {}, {}, {}, []
     pending = list(requests)
     start = time.perf_counter()
-    while pending or not engine.done():
+    while (pending or not engine.done()) and not STOP.is_set():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
             t, req = pending.pop(0)
@@ -138,20 +128,21 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
                 first[rid] = now
             if result.finish is not None and rid not in finish:
                 finish[rid] = now
-    rids = range(first_rid, len(engine.requests))
+    rids = [r for r in range(first_rid, len(engine.requests)) if r in finish]  # all of them unless stopped
     out_tokens = {rid: len(engine.results[rid].tokens) for rid in rids}
-    ttft = [first[r] - arrival[r] for r in rids]
+    ttft = [first[r] - arrival[r] for r in first]
     tpot = [(finish[r] - first[r]) / (out_tokens[r] - 1) for r in rids if out_tokens[r] > 1]
-    span = max(finish.values()) - min(arrival.values())
+    span = max(finish.values(), default=time.perf_counter() - start) - min(arrival.values(), default=0.0)
     d = {k: getattr(engine, k) - v for k, v in base.items()}
     pct = lambda xs, q: float(np.percentile(xs, q))
     return {"kv": engine.policy.name, "prefix_cache": engine.prefix is not None, "slots": engine.slots,
+            "complete": len(rids) == len(requests), "arrived": len(arrival),
             "num_pages": engine.num_pages, "page_tokens": engine.page_tokens, "requests": len(rids),
             "makespan_s": span, "requests_per_s": len(rids) / span, "output_tokens": sum(out_tokens.values()),
             "output_tokens_per_s": sum(out_tokens.values()) / span,
             "decode_output_tokens_per_s": d["decode_tokens"] / d["decode_seconds"] if d["decode_seconds"] else None,
             "prefill_seconds": d["prefill_seconds"], "decode_seconds": d["decode_seconds"],
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "ttft_p50_s": pct(ttft, 50) if ttft else None, "ttft_p99_s": pct(ttft, 99) if ttft else None,
             "tpot_p50_s": pct(tpot, 50) if tpot else None, "tpot_p99_s": pct(tpot, 99) if tpot else None,
             "prompt_tokens": d["prompt_tokens"], "prefix_hit_tokens": d["prefix_hit_tokens"],
             "prefill_tokens_computed": d["prompt_tokens"] - d["prefix_hit_tokens"],
@@ -182,7 +173,7 @@ def main(argv=None) -> None:
     p.add_argument("--kv", default="bf16,fp8,oscar", help="KV schemes, comma-separated")
     p.add_argument("--prefix-cache", default="off,on", help="off, on or off,on")
     p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, requests per second")
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests per second")
     p.add_argument("--prompt-tokens", default="4096,32768", help="LO,HI: prompt lengths uniform in [LO, HI]")
     p.add_argument("--shared-prefix", type=int, default=8192, help="tokens of the common prefix")
     p.add_argument("--shared-fraction", type=float, default=0.5, help="share of the requests that start with it")
@@ -190,11 +181,14 @@ def main(argv=None) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every length (prompts, prefix, outputs)")
     p.add_argument("--kv-gib", type=float, default=48.0, help="KV memory budget per run")
     p.add_argument("--oscar-slots", type=int, default=64, help="decode batch of the OSCAR runs")
-    p.add_argument("--page-tokens", type=int, default=256)
+    p.add_argument("--page-tokens", type=int, default=256, help="KV page and prefill chunk")
+    p.add_argument("--chunks-per-step", type=int, default=8, help="prefill chunks between two decode steps")
+    p.add_argument("--max-prefills", type=int, default=1, help="prompts prefilling at once (admission waits)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations: bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="JSON path (a .png is written beside it)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
     if args.requests < 1 or args.rate <= 0 or not 0 <= args.shared_fraction <= 1 or args.scale <= 0:
         sys.exit("--requests >= 1, --rate > 0, --shared-fraction in [0, 1] and --scale > 0 expected")
     modes = {"off": False, "on": True}
@@ -214,17 +208,25 @@ def main(argv=None) -> None:
     for kv in args.kv.split(","):
         for mode in args.prefix_cache.split(","):
             engine = engine_for(model, cfg, kv, modes[mode], args, max_len)
-            warm_up(engine, min(len(r.prompt) for _, r in requests), hi, cfg.vocab_size, np.random.default_rng(1))
+            warm = engine.warm_up()
             compiled = engine.compiles
             row = run(engine, requests, shared_len, shared)
-            row.update(compiles_timed=engine.compiles - compiled, rate_per_s=args.rate, scale=args.scale,
-                       shared_prefix=shared_len, shared_requests=shared, kv_gib=args.kv_gib)
+            row.update(warm_up_compiles=warm, compiles_timed=engine.compiles - compiled, rate_per_s=args.rate,
+                       scale=args.scale, shared_prefix=shared_len, shared_requests=shared, kv_gib=args.kv_gib,
+                       chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills)
             rows.append(row)
+            f = lambda x: "-" if x is None else f"{x:.2f}"
             print(f"{kv:6s} prefix {mode:3s}: {row['requests_per_s']:.3f} req/s, {row['output_tokens_per_s']:.1f} "
-                  f"tok/s end to end, {row['decode_output_tokens_per_s'] or 0:.1f} tok/s decode, TTFT p50/p99 "
-                  f"{row['ttft_p50_s']:.2f}/{row['ttft_p99_s']:.2f} s, prefix restored {row['prefix_hit_tokens']} "
-                  f"of {row['prompt_tokens']} prompt tokens, {row['compiles_timed']} compiles timed", flush=True)
+                  f"tok/s end to end, {f(row['decode_output_tokens_per_s'])} tok/s decode, TTFT p50/p99 "
+                  f"{f(row['ttft_p50_s'])}/{f(row['ttft_p99_s'])} s, prefix restored {row['prefix_hit_tokens']} "
+                  f"of {row['prompt_tokens']} prompt tokens, {row['compiles_timed']} compiles timed"
+                  + ("" if row["complete"] else f", STOPPED with {row['requests']} of {args.requests} done"),
+                  flush=True)
             del engine
+            if STOP.is_set():
+                break
+        if STOP.is_set():
+            break
     rec = results.record(rows, " ".join(["python", "bench/workload.py", *(argv or sys.argv[1:])]))
     results.write(args.out, rec)
     plot(rows, f"{args.model}: {args.requests} requests at {args.rate}/s on {results.device_kind()}",

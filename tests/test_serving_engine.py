@@ -108,6 +108,36 @@ def _contiguous(model, policy, req: Request, chunk: int | None) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("policy_name,chunk,prefix", [("oscar", 4, True), ("oscar", None, False), ("fp8", 8, True)])
+def test_warm_up_compiles_every_program_and_leaves_the_engine_empty(policy_name, chunk, prefix):
+    """After `warm_up`, ragged requests (two sharing a prefix, preemption by the small pool)
+    compile nothing and get the tokens an engine without warm-up gives them; with
+    max_prefills=1 at most one admitted prompt is still prefilling after any step."""
+    model, policy = MODELS["local-global"](), POLICIES[policy_name]
+    reqs = _requests()
+    shared = reqs[0].prompt * 2  # 28 + tokens: past the prefix cache's first boundaries
+    reqs += [Request(shared + (5, 6), 6), Request(shared + (7,), 9)]
+    make = lambda limit: Engine(model, policy, slots=4, max_len=MAX_LEN + PAGE, page_tokens=PAGE,
+                                num_pages=NUM_PAGES, prefill_chunk=chunk, max_prefills=limit, prefix_cache=prefix)
+    warm = make(1)
+    assert warm.warm_up() > 0
+    compiled = warm.compiles
+    ids = [warm.submit(r) for r in reqs]
+    while not warm.done():
+        warm.step()
+        prefilling = [s for s in warm.scheduler.running if not warm.results[s.rid].tokens]
+        assert len(prefilling) <= 1
+    assert warm.compiles == compiled, "a program compiled after warm_up"
+    with pytest.raises(ValueError, match="before the first request"):
+        warm.warm_up()
+    cold = make(None)
+    expected = [cold.submit(r) for r in reqs]
+    cold.run()
+    for i, j in zip(ids, expected):
+        assert warm.results[i] == cold.results[j], f"request {i}"
+    assert warm.prompt_tokens == cold.prompt_tokens  # the warm-up's own requests are not counted
+
+
 def test_request_never_fitting_the_pool_is_refused():
     engine = Engine(MODELS["llama"](), POLICIES["oscar"], slots=2, max_len=MAX_LEN, page_tokens=PAGE, num_pages=2)
     with pytest.raises(ValueError, match="can never fit: it needs 4 pages and the pool has 2"):

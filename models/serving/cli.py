@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import typer
@@ -24,6 +25,9 @@ def serve(
     num_pages: int | None = typer.Option(None, min=1, help="KV pages in the pool (default: every slot full)"),
     prefill_chunk: int | None = typer.Option(None, min=1, help="chunked prefill of this many tokens (with a prefix "
                                                                "cache: default --page-tokens)"),
+    chunks_per_step: int = typer.Option(1, min=1, help="prefill chunks run between two decode steps"),
+    max_prefills: int | None = typer.Option(None, min=1, help="prompts prefilling at once (default: no limit)"),
+    warm_up: bool = typer.Option(True, help="compile every serving program before taking requests"),
     prefix_cache: bool = typer.Option(False, help="keep prompt prefixes' KV for later prompts (docs/paged.md)"),
     prefix_cache_dir: Path | None = typer.Option(None, help="restore the prefix cache from DIR at start (if there) "
                                                            "and save it there at SIGTERM; implies --prefix-cache"),
@@ -60,9 +64,14 @@ def serve(
     try:
         engine = Engine(decoder, policy, slots=slots, max_len=max_len, page_tokens=page_tokens,
                         num_pages=num_pages, prefill_chunk=prefill_chunk or (page_tokens if prefix_cache else None),
-                        prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes)
+                        chunks_per_step=chunks_per_step, max_prefills=max_prefills, prefix_cache=prefix_cache,
+                        prefix_cache_bytes=prefix_cache_bytes)
     except ValueError as e:
         fail(str(e))
+    if warm_up:
+        start = time.perf_counter()
+        compiled = engine.warm_up()
+        console.print(f"warm-up: {compiled} programs compiled in {time.perf_counter() - start:.1f} s", highlight=False)
     if prefix_cache_dir is not None and prefix_cache_dir.exists():
         try:
             console.print(f"prefix cache: {engine.load_prefix_cache(prefix_cache_dir)} entries from {prefix_cache_dir}",

@@ -18,7 +18,9 @@ every running sequence; `run` steps until every request is done.
   chunk attends to its own tokens as written, bf16, and to the earlier chunks through the
   cache: `oscar_jax.attention.append_attend`), `chunks_per_step` chunks a step over the
   prefilling requests, first come first served, between decode steps; the row is inserted
-  after its last chunk.
+  after its last chunk. Chunked, every prompt's one-row cache holds a slot's capacity (one
+  compiled shape whatever its length); `max_prefills` bounds the prompts prefilling at once
+  (admission waits), and with it the memory their one-row caches take.
 - Sampling: temperature, top_p and the seed are per-row arrays of the one compiled step (not
   static arguments); token i of a request draws with `fold_in(key(seed), i)`, so a request's
   tokens do not depend on what else runs beside it.
@@ -31,14 +33,15 @@ every running sequence; `run` steps until every request is done.
   prompt with the same tokens up to m_j starts from entry j's state instead of token 0. The
   segments do not depend on whether a boundary was a hit, so a request's tokens do not either.
   `save_prefix_cache` / `load_prefix_cache` keep it on disk (orbax).
-- Compiled shapes: the decode step (one batch), one prefill and insert per bucket, the swap copies;
-  `compiles` counts the compilations JAX reports while this engine runs.
+- Compiled shapes: the decode step (one batch), a prefill per head bucket (unchunked: per
+  bucket, with an insert each), the extend chunks, the swap copies; `warm_up` compiles them all
+  before the first request, and `compiles` counts the compilations JAX reports since the
+  engine was made.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -47,7 +50,7 @@ import numpy as np
 
 from oscar_jax import paged
 from oscar_jax.models import generate, kv_policy
-from oscar_jax.models.serving import prefix_cache as pc
+from oscar_jax.models.serving import prefix_cache as pc, programs
 from oscar_jax.models.serving.scheduler import Event, Scheduler, Sequence
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -90,82 +93,6 @@ class Result:
     finish: str | None = None
 
 
-def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seeds: jax.Array,
-                counts: jax.Array) -> jax.Array:
-    """`generate.sample` with per-row parameters: logits f32 [B, V], temperature, top_p f32 [B],
-    seeds, counts int32 [B] (row b draws with fold_in(key(seeds[b]), counts[b])) -> int32 [B]."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    desc = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    threshold = jnp.min(jnp.where(mass_before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, counts)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
-
-
-def _with_tables(state: kv_policy.KVState, tables: jax.Array) -> kv_policy.KVState:
-    def put(layer):
-        if isinstance(layer, kv_policy.PagedLayer):
-            return dataclasses.replace(layer, cache=dataclasses.replace(layer.cache, block_table=tables))
-        return layer
-    return dataclasses.replace(state, layers=tuple(put(layer) for layer in state.layers))
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _decode(model, state, tables, tokens, temperature, top_p, seeds, counts):
-    """One decode step of every slot: tokens int32 [B] enter the cache -> (next int32 [B], state)."""
-    logits, state = generate._step_logits(model, _with_tables(state, tables), tokens[:, None])
-    return sample_rows(logits[:, 0], temperature, top_p, seeds, counts), state
-
-
-_sample = jax.jit(sample_rows)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state, part, slot, tables, keep):
-    """Put the one-row prefilled state `part` into slot `slot` (its pages: `tables`' row; the
-    first `keep` are shared prefix pages, left unwritten)."""
-    state = _with_tables(state, tables)
-
-    def put(layer, row):
-        if isinstance(layer, kv_policy.PagedLayer):
-            return dataclasses.replace(layer, cache=paged.insert(layer.cache, slot[None], row.cache, keep[None]))
-        leaves, treedef = jax.tree.flatten(layer)  # row's static spec says batch 1: pair the leaves
-        return treedef.unflatten([jax.lax.dynamic_update_slice(x, r, (slot,) + (0,) * (x.ndim - 1))
-                                  for x, r in zip(leaves, jax.tree.leaves(row))])
-
-    layers = tuple(put(layer, row) for layer, row in zip(state.layers, part.layers))
-    return kv_policy.KVState(layers, state.lengths.at[slot].set(part.lengths[0]))
-
-
-@jax.jit
-def _read_slot(state, slot, ids):
-    """A slot's rows of every layer (and its pages `ids` of the paged ones), to swap out."""
-    def read(layer):
-        if isinstance(layer, kv_policy.PagedLayer):
-            return paged.read_slot(layer.cache, slot, ids)
-        return jax.tree.map(lambda x: x[slot], layer)
-    return tuple(read(layer) for layer in state.layers), state.lengths[slot]
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _write_slot(state, saved, slot, ids, tables):
-    """`_read_slot`'s copy back into slot `slot` and pages `ids` (padding ids < 0 skipped)."""
-    rows, length = saved
-    state = _with_tables(state, tables)
-
-    def write(layer, row):
-        if isinstance(layer, kv_policy.PagedLayer):
-            return dataclasses.replace(layer, cache=paged.write_slot(layer.cache, slot, ids, row))
-        return jax.tree.map(lambda x, r: x.at[slot].set(r), layer, row)
-
-    layers = tuple(write(layer, row) for layer, row in zip(state.layers, rows))
-    return kv_policy.KVState(layers, state.lengths.at[slot].set(length))
-
-
 @dataclasses.dataclass
 class _Fill:
     """A prompt on its way into its one-row state: `done` tokens in `part`, the extend chunks
@@ -186,7 +113,7 @@ class Engine:
     policy: a `kv_policy.QuantPolicy` (paged full-attention layers) or `DensePolicy`; slots: the
     compiled decode batch; max_len: tokens a slot holds at most (rounded up to whole pages);
     page_tokens, num_pages: the pool (OSCAR policies); min_bucket: the shortest prefill length;
-    prefill_chunk, chunks_per_step: chunked prefill (module docstring);
+    prefill_chunk, chunks_per_step, max_prefills: chunked prefill (module docstring);
     prefix_cache: keep prompt prefixes (needs prefill_chunk dividing page_tokens; dense policies
     cut them every page_tokens too); prefix_cache_bytes: host memory its snapshots and dense
     rows may take before unreferenced entries are evicted.
@@ -194,14 +121,17 @@ class Engine:
 
     def __init__(self, model, policy, *, slots: int, max_len: int, page_tokens: int = 256,
                  num_pages: int | None = None, min_bucket: int = 16, prefill_chunk: int | None = None,
-                 chunks_per_step: int = 1, prefix_cache: bool = False, prefix_cache_bytes: int = 8 << 30):
+                 chunks_per_step: int = 1, max_prefills: int | None = None, prefix_cache: bool = False,
+                 prefix_cache_bytes: int = 8 << 30):
         if model.values_folded:
             raise ValueError("Engine serves unfolded decoders (decoder.fold_values's pair is not supported yet)")
         cfg = model.cfg
         self.model, self.policy, self.slots = model, policy, slots
         if prefill_chunk is not None and (prefill_chunk < 1 or chunks_per_step < 1):
             raise ValueError(f"prefill_chunk={prefill_chunk}, chunks_per_step={chunks_per_step}: expected >= 1")
-        self.chunk, self.chunks_per_step = prefill_chunk, chunks_per_step
+        if max_prefills is not None and max_prefills < 1:
+            raise ValueError(f"max_prefills={max_prefills}: expected >= 1 or None (no limit)")
+        self.chunk, self.chunks_per_step, self.max_prefills = prefill_chunk, chunks_per_step, max_prefills
         self.paged = isinstance(policy, kv_policy.QuantPolicy) and cfg.count(kv_policy.FULL) > 0
         self.page_tokens = page_tokens
         if self.paged:
@@ -215,10 +145,20 @@ class Engine:
         else:
             self.capacity, self.num_pages, self._spec = max_len, 0, None
             self.tables = np.full((slots, 1), paged.NO_PAGE, np.int32)
-        self.prefix = self._prefix_cache(prefix_cache_bytes) if prefix_cache else None
-        self.scheduler = Scheduler(slots, self.num_pages, self._pages_for, self.capacity, self.prefix)
         powers = (1 << i for i in range(max(min_bucket - 1, 0).bit_length(), self.capacity.bit_length()))
         self.buckets = tuple(t for t in powers if t < self.capacity) + (self.capacity,)  # prefill lengths
+        self._prefix_cache_bytes = prefix_cache_bytes if prefix_cache else None
+        self._empty_parts: dict[int, kv_policy.KVState] = {}  # prefill rows -> an empty one-row state
+        self.state = None
+        self._reset()
+        self._compiles_at_start = _COMPILES[0]
+
+    def _reset(self) -> None:
+        """Empty the engine: no request, a fresh pool, scheduler and prefix cache, zeroed counters."""
+        self.prefix = self._prefix_cache(self._prefix_cache_bytes) if self._prefix_cache_bytes is not None else None
+        self.scheduler = Scheduler(self.slots, self.num_pages, self._pages_for, self.capacity, self.prefix)
+        self.tables[:] = paged.NO_PAGE
+        self.state = None  # free the old pool before the new one is allocated
         self.state = self._init_state()
         self.requests: dict[int, Request] = {}
         self.results: dict[int, Result] = {}
@@ -226,7 +166,6 @@ class Engine:
         self._next_token: dict[int, int] = {}
         self._swapped: dict[int, object] = {}
         self._prefilling: dict[int, _Fill] = {}
-        self._empty_parts: dict[int, kv_policy.KVState] = {}  # prefill rows -> an empty one-row state
         self.pages_used: list[int] = []  # pages in use after each step
         self.preemptions = 0
         self.prompt_tokens = 0  # prompt tokens of the requests whose prefill started
@@ -235,7 +174,38 @@ class Engine:
         # (with the tokens those generated): the decode phase's throughput apart from prefill.
         self.prefill_seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
-        self._compiles_at_start = _COMPILES[0]
+
+    def warm_up(self) -> int:
+        """Compile every program serving runs (the decode step, each prefill head bucket, the
+        extend chunks, the insert, the swap copies; with the prefix cache its snapshots and
+        restores) by serving synthetic requests one at a time, then empty the engine again
+        (`_reset`). Returns the compilations that took. ValueError once a request was submitted."""
+        if self.requests:
+            raise ValueError("warm_up runs before the first request is submitted")
+        before = self.compiles
+        lengths = self._warm_up_lengths()
+        prompt = tuple(int(t) for t in np.random.default_rng(0).integers(0, self.model.cfg.vocab_size, max(lengths)))
+        for n in lengths:
+            self.submit(Request(prompt[:n], 2))
+            self.run()
+        saved = jax.device_get(programs.read_slot(self.state, 0, self._padded([])))
+        self.state = programs.write_slot(self.state, saved, 0, self._padded([], -1), jnp.asarray(self.tables))
+        self._reset()
+        return self.compiles - before
+
+    def _warm_up_lengths(self) -> list[int]:
+        """Prompt lengths whose prefills use every compiled shape: one a prefill head bucket (with
+        chunks: heads of 1..C tokens), one with an extend chunk, and with the prefix cache one past
+        its second boundary ending in C - 1 tokens (every smaller extend piece), twice (a hit)."""
+        fits = lambda n: n + 1 <= self.capacity
+        if self.chunk is None:
+            return sorted({min(b, self.capacity - 1) for b in self.buckets} - {0})
+        heads = sorted({min(self._bucket(h), self.chunk) for h in range(1, self.chunk + 1)})
+        lengths = [n for n in heads + [self.chunk + 1] if fits(n)]
+        if self.prefix is not None:
+            n = self._first_bound + self.page_tokens + self.chunk - 1
+            lengths += [n, n] if fits(n) else []
+        return lengths
 
     def _prefix_cache(self, host_bytes: int) -> pc.PrefixCache:
         if not (self.paged or isinstance(self.policy, kv_policy.DensePolicy)):
@@ -369,7 +339,8 @@ class Engine:
         """One round: the scheduler's events (swaps, admissions with their prefill, new pages),
         then one decode step of every running sequence."""
         start = time.perf_counter()
-        for event in self.scheduler.schedule():
+        room = None if self.max_prefills is None else max(0, self.max_prefills - len(self._prefilling))
+        for event in self.scheduler.schedule(admit=room):
             self._apply(event)
         self._prefill_chunks()
         jax.block_until_ready([fill.part for fill in self._prefilling.values()])
@@ -385,7 +356,7 @@ class Engine:
                 tokens[seq.slot] = self._next_token[seq.rid]
                 temperature[seq.slot], top_p[seq.slot], seeds[seq.slot] = req.temperature, req.top_p, req.seed
                 counts[seq.slot] = len(self.results[seq.rid].tokens)
-            nxt, self.state = _decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
+            nxt, self.state = programs.decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
                                       jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds),
                                       jnp.asarray(counts))
             nxt = np.asarray(nxt)
@@ -407,14 +378,14 @@ class Engine:
         elif event.kind == "swap_out":  # a prefilling sequence's tokens are all in its one-row state
             ids = self._padded(event.old_pages)
             self._swapped[seq.rid] = None if seq.rid in self._prefilling else jax.device_get(
-                _read_slot(self.state, event.old_slot, ids))
+                programs.read_slot(self.state, event.old_slot, ids))
             self.tables[event.old_slot] = paged.NO_PAGE
             self.preemptions += 1
         elif event.kind == "swap_in":
             self._set_table(seq.slot, seq.pages)
             saved = self._swapped.pop(seq.rid)
             if saved is not None:
-                self.state = _write_slot(self.state, saved, seq.slot, self._padded(seq.pages, -1),
+                self.state = programs.write_slot(self.state, saved, seq.slot, self._padded(seq.pages, -1),
                                          jnp.asarray(self.tables))
         elif event.kind == "admit":
             self._set_table(seq.slot, seq.pages)
@@ -462,7 +433,8 @@ class Engine:
             fill = self._prefix_fill(seq)
         else:
             head = n if self.chunk is None else n - (n - 1) // self.chunk * self.chunk
-            logits, part = self._prefill_head(self._empty_part(self._bucket(n)), prompt[:head])
+            rows = self._bucket(n) if self.chunk is None else self.capacity  # chunked: one shape for every n
+            logits, part = self._prefill_head(self._empty_part(rows), prompt[:head])
             fill = _Fill(part, head, [self.chunk] * ((n - head) // self.chunk) if self.chunk else [], logits)
         if fill.pieces:
             self._prefilling[seq.rid] = fill
@@ -529,12 +501,13 @@ class Engine:
         """Insert seq's prefilled one-row state into its slot (its shared pages left as they are),
         its boundaries into the prefix cache; its first token from the last logits [1, V]."""
         req = self.requests[seq.rid]
-        self.state = _insert(self.state, fill.part, jnp.int32(seq.slot), jnp.asarray(self.tables),
+        self.state = programs.insert(self.state, fill.part, jnp.int32(seq.slot), jnp.asarray(self.tables),
                              jnp.int32(seq.shared))
         if seq.keys:
             self.scheduler.cache_prefix(seq, fill.taken)
-        first = _sample(fill.logits, jnp.asarray([req.temperature], jnp.float32), jnp.asarray([req.top_p], jnp.float32),
-                        jnp.asarray([req.seed], jnp.int32), jnp.zeros((1,), jnp.int32))
+        first = programs.sample(fill.logits, jnp.asarray([req.temperature], jnp.float32),
+                                jnp.asarray([req.top_p], jnp.float32), jnp.asarray([req.seed], jnp.int32),
+                                jnp.zeros((1,), jnp.int32))
         self._emit(seq, int(first[0]))
 
     def _emit(self, seq: Sequence, token: int) -> None:

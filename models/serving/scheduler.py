@@ -10,7 +10,8 @@ events `schedule` returns on the device. Rules, in order, once per step:
 2. swapped-out sequences come back (first out, first in) while a slot and the pages for their
    next token are free;
 3. only when none is left swapped out, waiting requests are admitted (first come, first
-   served) while a slot and the pages for their prompt and first generated token are free.
+   served) while a slot and the pages for their prompt and first generated token are free
+   (and, when the engine bounds the prompts prefilling at once, while it has room for one).
 
 With a prefix cache (`prefix_cache.PrefixCache`), pages held only by cached entries count as
 free: they are evicted, least recently used first, when the free list runs out, before any
@@ -132,8 +133,9 @@ class Scheduler:
         self.swapped.append(seq)
         return event
 
-    def schedule(self) -> list[Event]:
-        """This step's events, in the order the engine must carry them out."""
+    def schedule(self, admit: int | None = None) -> list[Event]:
+        """This step's events, in the order the engine must carry them out; at most `admit`
+        admissions (None: as many as fit)."""
         events: list[Event] = []
         for seq in list(self.running):
             if seq not in self.running:  # swapped out for an older sequence's pages
@@ -149,7 +151,7 @@ class Scheduler:
             seq = self.swapped.pop(0)
             self._enter(seq, seq.length + 1)
             events.append(Event("swap_in", seq))
-        while not self.swapped and self.waiting:
+        while not self.swapped and self.waiting and (admit is None or admit > 0):
             seq = self.waiting[0]
             shared, restored = self.prefix.match(seq.keys) if self.prefix else (0, 0)
             if not self.allocator:
@@ -165,6 +167,7 @@ class Scheduler:
             seq.length = seq.prompt_len
             self._enter(seq, first)
             events.append(Event("admit", seq))
+            admit = None if admit is None else admit - 1
         return events
 
     def cache_prefix(self, seq: Sequence, taken: dict[int, tuple]) -> None:

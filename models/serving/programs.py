@@ -1,0 +1,91 @@
+"""The serving engine's device programs (`engine.Engine` calls them): one decode step of every
+slot with per-row sampling, a prefilled row's insertion into a slot and its pages, and a slot's
+copies to and from host memory for swapping. Each is jitted once per shape; those that take the
+engine's state donate it, so the pool is updated in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from oscar_jax import paged
+from oscar_jax.models import generate, kv_policy
+
+
+def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seeds: jax.Array,
+                counts: jax.Array) -> jax.Array:
+    """`generate.sample` with per-row parameters: logits f32 [B, V], temperature, top_p f32 [B],
+    seeds, counts int32 [B] (row b draws with fold_in(key(seeds[b]), counts[b])) -> int32 [B]."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    desc = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    threshold = jnp.min(jnp.where(mass_before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, counts)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def _with_tables(state: kv_policy.KVState, tables: jax.Array) -> kv_policy.KVState:
+    def put(layer):
+        if isinstance(layer, kv_policy.PagedLayer):
+            return dataclasses.replace(layer, cache=dataclasses.replace(layer.cache, block_table=tables))
+        return layer
+    return dataclasses.replace(state, layers=tuple(put(layer) for layer in state.layers))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def decode(model, state, tables, tokens, temperature, top_p, seeds, counts):
+    """One decode step of every slot: tokens int32 [B] enter the cache -> (next int32 [B], state)."""
+    logits, state = generate._step_logits(model, _with_tables(state, tables), tokens[:, None])
+    return sample_rows(logits[:, 0], temperature, top_p, seeds, counts), state
+
+
+sample = jax.jit(sample_rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert(state, part, slot, tables, keep):
+    """Put the one-row prefilled state `part` into slot `slot` (its pages: `tables`' row; the
+    first `keep` are shared prefix pages, left unwritten)."""
+    state = _with_tables(state, tables)
+
+    def put(layer, row):
+        if isinstance(layer, kv_policy.PagedLayer):
+            return dataclasses.replace(layer, cache=paged.insert(layer.cache, slot[None], row.cache, keep[None]))
+        leaves, treedef = jax.tree.flatten(layer)  # row's static spec says batch 1: pair the leaves
+        return treedef.unflatten([jax.lax.dynamic_update_slice(x, r, (slot,) + (0,) * (x.ndim - 1))
+                                  for x, r in zip(leaves, jax.tree.leaves(row))])
+
+    layers = tuple(put(layer, row) for layer, row in zip(state.layers, part.layers))
+    return kv_policy.KVState(layers, state.lengths.at[slot].set(part.lengths[0]))
+
+
+@jax.jit
+def read_slot(state, slot, ids):
+    """A slot's rows of every layer (and its pages `ids` of the paged ones), to swap out."""
+    def read(layer):
+        if isinstance(layer, kv_policy.PagedLayer):
+            return paged.read_slot(layer.cache, slot, ids)
+        return jax.tree.map(lambda x: x[slot], layer)
+    return tuple(read(layer) for layer in state.layers), state.lengths[slot]
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_slot(state, saved, slot, ids, tables):
+    """`read_slot`'s copy back into slot `slot` and pages `ids` (padding ids < 0 skipped)."""
+    rows, length = saved
+    state = _with_tables(state, tables)
+
+    def write(layer, row):
+        if isinstance(layer, kv_policy.PagedLayer):
+            return dataclasses.replace(layer, cache=paged.write_slot(layer.cache, slot, ids, row))
+        return jax.tree.map(lambda x, r: x.at[slot].set(r), layer, row)
+
+    layers = tuple(write(layer, row) for layer, row in zip(state.layers, rows))
+    return kv_policy.KVState(layers, state.lengths.at[slot].set(length))
