@@ -18,9 +18,10 @@ every running sequence; `run` steps until every request is done.
   chunk attends to its own tokens as written, bf16, and to the earlier chunks through the
   cache: `oscar_jax.attention.append_attend`), `chunks_per_step` chunks a step over the
   prefilling requests, first come first served, between decode steps; the row is inserted
-  after its last chunk. Chunked, every prompt's one-row cache holds a slot's capacity (one
-  compiled shape whatever its length); `max_prefills` bounds the prompts prefilling at once
-  (admission waits), and with it the memory their one-row caches take.
+  after its last chunk. Chunked, every prompt's one-row cache holds a slot's capacity and its
+  first 1..C tokens are padded to C (one compiled shape each, whatever the prompt's length);
+  `max_prefills` bounds the prompts prefilling at once (admission waits), and with it the
+  memory their one-row caches take.
 - Sampling: temperature, top_p and the seed are per-row arrays of the one compiled step (not
   static arguments); token i of a request draws with `fold_in(key(seed), i)`, so a request's
   tokens do not depend on what else runs beside it.
@@ -33,7 +34,7 @@ every running sequence; `run` steps until every request is done.
   prompt with the same tokens up to m_j starts from entry j's state instead of token 0. The
   segments do not depend on whether a boundary was a hit, so a request's tokens do not either.
   `save_prefix_cache` / `load_prefix_cache` keep it on disk (orbax).
-- Compiled shapes: the decode step (one batch), a prefill per head bucket (unchunked: per
+- Compiled shapes: the decode step (one batch), one prefill of C tokens (unchunked: one per
   bucket, with an insert each), the extend chunks, the swap copies; `warm_up` compiles them all
   before the first request, and `compiles` counts the compilations JAX reports since the
   engine was made.
@@ -194,14 +195,13 @@ class Engine:
         return self.compiles - before
 
     def _warm_up_lengths(self) -> list[int]:
-        """Prompt lengths whose prefills use every compiled shape: one a prefill head bucket (with
-        chunks: heads of 1..C tokens), one with an extend chunk, and with the prefix cache one past
-        its second boundary ending in C - 1 tokens (every smaller extend piece), twice (a hit)."""
+        """Prompt lengths whose prefills use every compiled shape: one a prefill bucket (chunked:
+        one head and one head + an extend chunk), and with the prefix cache one past its second
+        boundary ending in C - 1 tokens (every smaller extend piece), twice (the second a hit)."""
         fits = lambda n: n + 1 <= self.capacity
         if self.chunk is None:
             return sorted({min(b, self.capacity - 1) for b in self.buckets} - {0})
-        heads = sorted({min(self._bucket(h), self.chunk) for h in range(1, self.chunk + 1)})
-        lengths = [n for n in heads + [self.chunk + 1] if fits(n)]
+        lengths = [n for n in (1, self.chunk + 1) if fits(n)]
         if self.prefix is not None:
             n = self._first_bound + self.page_tokens + self.chunk - 1
             lengths += [n, n] if fits(n) else []
@@ -413,7 +413,8 @@ class Engine:
 
     def _prefill_head(self, part: kv_policy.KVState, head) -> tuple[jax.Array, kv_policy.KVState]:
         """`head` (the first prompt tokens) through one prefill, right-padded to a bucket."""
-        tokens = np.zeros((1, self._bucket(len(head))), np.int32)
+        short = self.chunk is not None and len(head) <= self.chunk  # chunked: one width for every head
+        tokens = np.zeros((1, self.chunk if short else self._bucket(len(head))), np.int32)
         tokens[0, :len(head)] = head
         return generate.prefill(self.model, part, tokens, np.array([len(head)], np.int32))
 
