@@ -198,8 +198,8 @@ def main(argv=None) -> None:
         cfg = TINY
         model = Decoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))
     else:
-        cfg = registry.architecture(args.model)
         model, _ = registry.load(args.model, dtype=jnp.dtype(args.dtype), random_weights=True)
+        cfg = model.cfg
     requests, shared = workload(args, np.random.default_rng(args.seed), cfg.vocab_size)
     hi = max(len(r.prompt) for _, r in requests)
     max_len = hi + max(r.max_tokens for _, r in requests)
