@@ -30,22 +30,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 8B weights + a 48 GiB pool pass XLA's 75%
 
-from oscar_jax import paged
-from oscar_jax.models import kv_policy, registry, results
-from oscar_jax.models.config import ModelConfig
-from oscar_jax.models.decoder import Decoder
-from oscar_jax.models.serving import Engine, Request
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from oscar_jax import paged  # noqa: E402
+from oscar_jax.models import kv_policy, registry, results  # noqa: E402
+from oscar_jax.models.config import ModelConfig  # noqa: E402
+from oscar_jax.models.decoder import Decoder  # noqa: E402
+from oscar_jax.models.serving import Engine, Request  # noqa: E402
 
 TINY = ModelConfig(family="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=32, rms_eps=1e-6, rope_theta=1e4, layer_types=("full_attention",) * 2)
