@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -38,7 +39,9 @@ def serve(
     random_weights: bool = typer.Option(False, help="the named architecture with random weights"),
     implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
 ):
-    """Serve a model over OpenAI's completions and chat API (docs/serving.md)."""
+    """Serve a model over OpenAI's completions and chat API (docs/serving.md). (Unless
+    XLA_PYTHON_CLIENT_MEM_FRACTION is set, XLA may take 95% of the device's memory here.)"""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     import jax.numpy as jnp
     import uvicorn
 
