@@ -17,7 +17,7 @@ dev=$(python3 -c "from oscar_jax.models import results as r; print(r.device_fold
 # Start `oscar serve` for the 8B shape with cache $1 and $2 slots, load it, stop it with SIGTERM.
 load() {
   oscar serve --model llama3-8b --random-weights --dtype bfloat16 --kv "$1" --slots "$2" --max-len 16384 \
-      --prefill-chunk 256 --chunks-per-step 8 --max-prefills 1 --port 8000 & local pid=$!
+      --min-bucket 1024 --max-prefills 1 --port 8000 & local pid=$!
   until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health')" 2> /dev/null; do
     kill -0 $pid 2> /dev/null || { echo "oscar serve exited" >&2; return 1; }; sleep 2
   done

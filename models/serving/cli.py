@@ -26,6 +26,7 @@ def serve(
     num_pages: int | None = typer.Option(None, min=1, help="KV pages in the pool (default: every slot full)"),
     prefill_chunk: int | None = typer.Option(None, min=1, help="chunked prefill of this many tokens (with a prefix "
                                                                "cache: default --page-tokens)"),
+    min_bucket: int = typer.Option(16, min=1, help="shortest prefill length (prompts are padded to powers of two)"),
     chunks_per_step: int = typer.Option(1, min=1, help="prefill chunks run between two decode steps"),
     max_prefills: int | None = typer.Option(None, min=1, help="prompts prefilling at once (default: no limit)"),
     warm_up: bool = typer.Option(True, help="compile every serving program before taking requests"),
@@ -65,8 +66,8 @@ def serve(
         tokenizer = api.ByteTokenizer(decoder.cfg.vocab_size)
     prefix_cache = prefix_cache or prefix_cache_dir is not None
     try:
-        engine = Engine(decoder, policy, slots=slots, max_len=max_len, page_tokens=page_tokens,
-                        num_pages=num_pages, prefill_chunk=prefill_chunk or (page_tokens if prefix_cache else None),
+        engine = Engine(decoder, policy, slots=slots, max_len=max_len, page_tokens=page_tokens, num_pages=num_pages,
+                        min_bucket=min_bucket, prefill_chunk=prefill_chunk or (page_tokens if prefix_cache else None),
                         chunks_per_step=chunks_per_step, max_prefills=max_prefills, prefix_cache=prefix_cache,
                         prefix_cache_bytes=prefix_cache_bytes)
     except ValueError as e:
