@@ -15,7 +15,8 @@ Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process,
 weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
 slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
 Both modes prefill in chunks of a page, `--chunks-per-step` chunks between two decode steps,
-`--max-prefills` prompts at once, so on and off differ by the cache only. `Engine.warm_up`
+`--max-prefills` prompts at once, so on and off differ by the cache only (`--whole-prompts`:
+runs without the prefix cache prefill each prompt in one pass, padded to a power of two). `Engine.warm_up`
 runs first, so no timed step compiles (the record counts any that do). SIGTERM stops the run
 in progress and writes what finished, marked incomplete. Recorded per run: requests/s and output
 tokens/s end to end (first arrival to last finish), decode-phase output tokens/s (tokens of
@@ -88,12 +89,13 @@ def page_bytes(policy, cfg, max_len: int, chunk: int, page: int) -> int:
     return total
 
 
-def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int) -> Engine:
-    """The engine of one run: slots and pages from the KV budget (module docstring)."""
+def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: int) -> Engine:
+    """The engine of one run: slots and pages from the KV budget (module docstring); shortest:
+    the shortest prompt (whole-prompt prefills are bucketed from there)."""
     tiny = args.model == "tiny"
     policy = TINY_OSCAR if tiny and kv == "oscar" else kv_policy.make_policy(kv)
     page = max(16, round(args.page_tokens * args.scale)) if tiny else args.page_tokens
-    chunk = page
+    chunk = None if args.whole_prompts and not prefix else page
     budget = args.kv_gib * 2**30
     if isinstance(policy, kv_policy.QuantPolicy):
         pages = max(1, int(budget // page_bytes(policy, cfg, max_len, chunk, page)))
@@ -102,8 +104,8 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int) -> Engine:
         token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(policy.dtype).itemsize
         slots, pages = max(1, int(budget // (token_bytes * max_len))), None
     return Engine(model, policy, slots=slots, max_len=max_len, page_tokens=page, num_pages=pages,
-                  prefill_chunk=chunk, chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills,
-                  prefix_cache=prefix)
+                  min_bucket=1 << (shortest.bit_length() - 1), prefill_chunk=chunk,
+                  chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills, prefix_cache=prefix)
 
 
 def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, shared: int) -> dict:
@@ -185,6 +187,8 @@ def main(argv=None) -> None:
     p.add_argument("--kv-gib", type=float, default=48.0, help="KV memory budget per run")
     p.add_argument("--oscar-slots", type=int, default=64, help="decode batch of the OSCAR runs")
     p.add_argument("--page-tokens", type=int, default=256, help="KV page and prefill chunk")
+    p.add_argument("--whole-prompts", action="store_true",
+                   help="runs without the prefix cache prefill each prompt in one pass instead of page chunks")
     p.add_argument("--chunks-per-step", type=int, default=8, help="prefill chunks between two decode steps")
     p.add_argument("--max-prefills", type=int, default=1, help="prompts prefilling at once (admission waits)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations: bfloat16 | float32")
@@ -210,13 +214,14 @@ def main(argv=None) -> None:
     rows = []
     for kv in args.kv.split(","):
         for mode in args.prefix_cache.split(","):
-            engine = engine_for(model, cfg, kv, modes[mode], args, max_len)
+            engine = engine_for(model, cfg, kv, modes[mode], args, max_len, min(len(r.prompt) for _, r in requests))
             warm = engine.warm_up()
             compiled = engine.compiles
             row = run(engine, requests, shared_len, shared)
             row.update(warm_up_compiles=warm, compiles_timed=engine.compiles - compiled, rate_per_s=args.rate,
                        scale=args.scale, shared_prefix=shared_len, shared_requests=shared, kv_gib=args.kv_gib,
-                       chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills)
+                       prefill_chunk=engine.chunk, chunks_per_step=args.chunks_per_step,
+                       max_prefills=args.max_prefills)
             rows.append(row)
             f = lambda x: "-" if x is None else f"{x:.2f}"
             print(f"{kv:6s} prefix {mode:3s}: {row['requests_per_s']:.3f} req/s, {row['output_tokens_per_s']:.1f} "
