@@ -52,6 +52,7 @@ import numpy as np
 from oscar_jax import paged
 from oscar_jax.models import generate, kv_policy
 from oscar_jax.models.serving import prefix_cache as pc, programs
+from oscar_jax.models.serving.request import Request, Result
 from oscar_jax.models.serving.scheduler import Event, Scheduler, Sequence
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -64,34 +65,6 @@ def _count_compile(event: str, duration: float, **kwargs) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """prompt: token ids; max_tokens: tokens to generate at most; temperature 0 is greedy;
-    top_p in (0, 1]; seed: this request's sampling key; stop_ids: tokens that end it (kept)."""
-
-    prompt: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"Request.temperature={self.temperature!r}: expected >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"Request.top_p={self.top_p!r}: expected in (0, 1]")
-
-
-@dataclasses.dataclass
-class Result:
-    """tokens: generated ids; finish: "length" (max_tokens reached), "stop" (a stop id) or
-    "cancelled" (`Engine.cancel`)."""
-
-    tokens: list[int]
-    finish: str | None = None
 
 
 @dataclasses.dataclass

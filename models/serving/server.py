@@ -34,7 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oscar_jax.models import results
 from oscar_jax.models.serving import api
-from oscar_jax.models.serving.engine import Engine, Request
+from oscar_jax.models.serving.engine import Engine
+from oscar_jax.models.serving.request import Request
 
 
 @dataclasses.dataclass
