@@ -29,7 +29,7 @@ from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention
 from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu as _mgpu_attention
 from oscar_jax.pallas_kernels.tpu import mixed_attention as _tpu_attention
 
-# fn(q, layer_cache, layer_params, softmax_scale=None, interpret=False) -> (o, lse)
+# fn(q, layer_cache, layer_params, softmax_scale=None, interpret=False, history_offset=None) -> (o, lse)
 AttendFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -68,6 +68,10 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
       kernel(q_rot f32 [B, C, Hq, D], cache: `layout.CacheArrays`, *,
              sink, window, bits, levels, softmax_scale, interpret)
         -> (o_rot f32 [B, C, Hq, D], lse f32 [B, C, Hq])
+    and, for a history slice (sequence parallelism, `attend(history_offset=...)`),
+      `history_offset=` int32 [] (traced): the history arrays hold history indices
+      [history_offset, history_offset + T_local) of a longer history; the kernel then attends
+      those and the sink and ring only where history_offset == 0 (`reference.attend`'s rule).
     `interpret` is the adapted function's own (Pallas interpret mode); q rotation (by
     `params.query_rot`) and the back-rotation (by `params.output_rot`) happen
     here, in XLA. rotates: the kernel does both itself. It takes the model-basis q as it is,
@@ -80,23 +84,27 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
     are a page pool, and passes the kernel its `block_table=`.
     """
 
-    def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None, interpret: bool = False):
+    def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None, interpret: bool = False,
+           history_offset=None):
         spec = cache.spec
         hi = jax.lax.Precision.HIGHEST
         b, c, hq, d = q.shape
         heads = (b, c, spec.kv_heads, hq // spec.kv_heads, d)  # query head h * g + i of KV head h
         scale = spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        out_dtype = q.dtype if history_offset is None else jnp.float32  # a slice's partial: merged in f32
         if rotates:
             # the rotations' bf16 parts, split once by LayerParams.create
             query_rot = params.query_rot if params.query_rot_parts is None else params.query_rot_parts
             output_rot = params.output_rot if params.output_rot_parts is None else params.output_rot_parts
             q_in, extra = q, {"query_rot": query_rot, "query_rot_stats": params.query_rot_stats,
-                              "out_dtype": q.dtype, "output_rot": None if params.v_folded else output_rot}
+                              "out_dtype": out_dtype, "output_rot": None if params.v_folded else output_rot}
         else:
             q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
                                      precision=hi).reshape(q.shape), {}
         if paged:
             extra["block_table"] = cache.block_table
+        if history_offset is not None:
+            extra["history_offset"] = jnp.asarray(history_offset, jnp.int32)
         o, lse = kernel(
             q_in, layout.CacheArrays.of(cache),
             sink=spec.sink, window=spec.window, bits=spec.quant.bits, levels=spec.quant.levels,
@@ -105,7 +113,7 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
         if not rotates and not params.v_folded:
             o = jnp.einsum("bckge,kde->bckgd", o.reshape(heads), params.output_rot,
                            precision=hi).reshape(q.shape)
-        return o.astype(q.dtype), reference.shift_lse(lse, q, params, scale)
+        return o.astype(out_dtype), reference.shift_lse(lse, q, params, scale)
 
     return fn
 
@@ -119,13 +127,18 @@ def _check_q(q: jax.Array, kv_heads: int, head_dim: int, batch: int) -> None:
 
 
 def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
-           implementation: str = "auto", softmax_scale: float | None = None, interpret: bool = False
-           ) -> tuple[jax.Array, jax.Array]:
+           implementation: str = "auto", softmax_scale: float | None = None, interpret: bool = False,
+           history_offset=None) -> tuple[jax.Array, jax.Array]:
     """Attention of C new queries over one layer's mixed cache (tokens already appended).
 
     q: [B, C, Hq, D] post-RoPE, unrotated. Returns o [B, C, Hq, D] (model basis
     unless layer_params.v_folded) and lse float32 [B, C, Hq]. interpret: run an explicit
     kernel implementation in Pallas interpret mode (any backend; for tests).
+    history_offset (int or traced int32 []; sequence parallelism, `oscar_jax.parallel`): the
+    cache's history arrays hold history indices [history_offset, history_offset + T_local) of
+    a longer history; returns this slice's partial, o in float32 (`reference.attend`'s rule:
+    the slice's history, and the sink and ring only where history_offset == 0), which
+    `reference.merge_partials` over every slice makes the whole cache's attention.
     """
     spec = layer_cache.spec
     if layer_cache.is_stacked:
@@ -137,12 +150,12 @@ def attend(q: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
                          "attends through append_attend)")
     name = resolve(implementation, spec, q.shape[1], q.shape[2] // spec.kv_heads, interpret=interpret)
     return dispatch.get("attend", name)(q, layer_cache, layer_params, softmax_scale=softmax_scale,
-                                        interpret=interpret)
+                                        interpret=interpret, history_offset=history_offset)
 
 
 def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCache, layer_params: LayerParams, *,
-                  implementation: str = "auto", softmax_scale: float | None = None, interpret: bool = False
-                  ) -> tuple[jax.Array, jax.Array, OscarCache]:
+                  implementation: str = "auto", softmax_scale: float | None = None, interpret: bool = False,
+                  history_offset=None) -> tuple[jax.Array, jax.Array, OscarCache]:
     """Append a chunk of C new tokens (`updates.append`), then attend its C queries: any C the
     cache holds (docs/ARCHITECTURE.md §5). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE,
     unrotated -> (o [B, C, Hq, D], lse f32 [B, C, Hq], the cache after the append).
@@ -152,6 +165,8 @@ def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCa
     own tokens 0..c as written (bf16), causally. C <= W: exactly `updates.append` then `attend`
     (the chunk lies in the ring). C > W: in XLA (`reference.attend(own=...)`), whatever
     `implementation` "auto" names; an explicit kernel raises (kernels attend chunks of <= W).
+    history_offset: the cache holds a history slice (`attend`'s); the append writes only the
+    history tokens inside it and the result is the slice's partial.
     """
     spec = layer_cache.spec
     c = k.shape[1]
@@ -161,12 +176,13 @@ def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCa
     if c > spec.window:  # raises for an explicit kernel; "auto" gives "xla"
         resolve(implementation, spec, c, q.shape[2] // spec.kv_heads, interpret=interpret)
     cache = updates.append(layer_cache, k, v, layer_params, implementation="xla" if implementation == "xla" else "auto",
-                           interpret=interpret)
+                           interpret=interpret, history_offset=0 if history_offset is None else history_offset)
     if c <= spec.window:
         o, lse = attend(q, cache, layer_params, implementation=implementation, softmax_scale=softmax_scale,
-                        interpret=interpret)
+                        interpret=interpret, history_offset=history_offset)
     else:
-        o, lse = reference.attend(q, cache, layer_params, softmax_scale, own=updates.stored_kv(k, v, layer_params))
+        o, lse = reference.attend(q, cache, layer_params, softmax_scale, own=updates.stored_kv(k, v, layer_params),
+                                  history_offset=history_offset)
     return o, lse, cache
 
 
@@ -178,8 +194,8 @@ def attend_window(q: jax.Array, ring: RingCache, *, softmax_scale: float | None 
     return reference.attend_window(q, ring, softmax_scale)
 
 
-register("xla", lambda q, cache, params, softmax_scale=None, interpret=False:
-         reference.attend(q, cache, params, softmax_scale))
+register("xla", lambda q, cache, params, softmax_scale=None, interpret=False, history_offset=None:
+         reference.attend(q, cache, params, softmax_scale, history_offset=history_offset))
 register("pallas_tpu", kernel_attend(_tpu_attention.mixed_attention))  # every CacheSpec
 register("pallas", kernel_attend(_gpu_attention.mixed_attention),
          supports=lambda spec, queries, group: _gpu_attention.supports(spec))

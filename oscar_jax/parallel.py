@@ -12,11 +12,11 @@ Triton, TPU) run per device on plain local arrays:
   appends the new tokens to them (the same few bytes everywhere), and the token they push
   out of the ring is quantised into the history on the one device whose slice holds its
   position (`updates.append(history_offset=...)`). Each device attends its history slice
-  (output and log-sum-exp, `reference.attend`'s history segment), one `all_gather` over
-  `seq` brings every slice's partials to every device, and each merges them with the sink
-  and ring partials (`reference.merge_partials`): one collective per layer. The history
-  slice is attended in XLA (the kernels attend a whole mixed cache: sink, history and
-  ring together).
+  with the implementation one device would use (`attention.attend(history_offset=...)`:
+  any kernel, or XLA), the device holding the first slice the sink and ring too, which
+  gives a partial output (float32, the model's basis) and its log-sum-exp; one
+  `all_gather` over `seq` brings every device's partial to every device, and each merges
+  them (`reference.merge_partials`): one collective per layer.
 """
 
 from __future__ import annotations
@@ -41,17 +41,26 @@ def local_spec(spec: CacheSpec, mesh: Mesh, rules: dict[str, str] | None = None)
 
 def seq_axis(cache: OscarCache, mesh: Mesh, rules: dict[str, str] | None = None) -> str | None:
     """The mesh axis that splits `cache`'s history along tokens (None: not split).
-    ValueError when the mesh has the rules' `seq` axis (size > 1) but the history's packed rows
-    do not divide over it (`seq_max_len` gives a max_len whose history does)."""
+    ValueError when the mesh has the rules' `seq` axis (size > 1) but the history does not
+    split into equal slices of whole packed rows, whole `HIST_TILE`s each once the history is
+    longer than one tile (the layout every attention kernel takes of a whole history;
+    `seq_max_len` gives a max_len whose history splits so)."""
     rules = sharding.DEFAULT_RULES if rules is None else rules
     axis = rules.get("seq")
     if axis is None or mesh.shape.get(axis, 1) == 1:
         return None
-    rows = cache.hist_codes_k.shape[-2]
-    if rows % mesh.shape[axis]:
-        raise ValueError(f"the history's {rows} packed rows do not split over {axis}={mesh.shape[axis]}: "
-                         f"allocate max_len with parallel.seq_max_len (max_len={cache.spec.max_len})")
+    rows, tpb = cache.hist_codes_k.shape[-2], cache.spec.quant.tokens_per_byte
+    if (rows * tpb) % _slice_unit(rows * tpb, tpb, mesh.shape[axis]):
+        raise ValueError(f"the history's {rows} packed rows do not split over {axis}={mesh.shape[axis]} (whole "
+                         f"{HIST_TILE}-token tiles a slice where longer than one tile): allocate max_len with "
+                         f"parallel.seq_max_len (max_len={cache.spec.max_len})")
     return axis
+
+
+def _slice_unit(tokens: int, tokens_per_byte: int, parts: int) -> int:
+    """History tokens that a history of `tokens` must be a multiple of to split into `parts`
+    slices: whole packed rows each, whole `HIST_TILE`s once longer than one tile."""
+    return (HIST_TILE if tokens > HIST_TILE else tokens_per_byte) * parts
 
 
 def seq_max_len(spec: CacheSpec, parts: int) -> int:
@@ -60,7 +69,7 @@ def seq_max_len(spec: CacheSpec, parts: int) -> int:
     max_len = spec.max_len
     while True:
         s = dataclasses.replace(spec, max_len=max_len)
-        unit = (HIST_TILE if s.hist_capacity > HIST_TILE else s.quant.tokens_per_byte) * parts
+        unit = _slice_unit(s.hist_capacity, s.quant.tokens_per_byte, parts)
         if s.hist_capacity % unit == 0:
             return max_len
         max_len += unit - s.hist_capacity % unit
@@ -101,32 +110,28 @@ def _on_shards(fn, cache: OscarCache, params: LayerParams, args: tuple, arg_spec
 
 def append_attend(cache: OscarCache, params: LayerParams, q: jax.Array, k: jax.Array, v: jax.Array, *,
                   mesh: Mesh, implementation: str = "auto", softmax_scale: float | None = None,
-                  rules: dict[str, str] | None = None) -> tuple[jax.Array, OscarCache]:
+                  interpret: bool = False, rules: dict[str, str] | None = None) -> tuple[jax.Array, OscarCache]:
     """`attention.append_attend` of a chunk (k, v appended, then q attends; any C) over one
     layer's cache sharded on `mesh` (`sharding.shardings(cache, mesh, rules)`), each device on
-    its shard. q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE (global shapes).
+    its shard with `implementation` (as on one device: "auto" picks what the dispatcher picks
+    for the whole cache, an explicit kernel raises where it cannot run the call; interpret:
+    Pallas interpret mode). q [B, C, Hq, D], k, v [B, C, Hkv, D] post-RoPE (global shapes).
     Returns (o [B, C, Hq, D], cache)."""
     qkv = _query_spec(sharding.partition_specs(cache, mesh, rules))
     seq = seq_axis(cache, mesh, rules)
-    if seq is not None and implementation not in ("auto", "xla"):
-        raise ValueError(f"implementation={implementation!r}: a history split over {seq!r} is attended in XLA "
-                         "per slice; expected 'auto' or 'xla'")
 
     def body(cache, params, q, k, v):
+        run = lambda offset: attention.append_attend(q, k, v, cache, params, implementation=implementation,
+                                                     softmax_scale=softmax_scale, interpret=interpret,
+                                                     history_offset=offset)
         if seq is None:
-            o, _, cache = attention.append_attend(q, k, v, cache, params, implementation=implementation,
-                                                  softmax_scale=softmax_scale)
+            o, _, cache = run(None)
             return o, cache
-        own = updates.stored_kv(k, v, params) if k.shape[1] > cache.spec.window else None
-        offset = jax.lax.axis_index(seq) * (cache.hist_codes_k.shape[-2] * cache.spec.quant.tokens_per_byte)
-        cache = updates.append(cache, k, v, params, history_offset=offset)
-
-        def gather(o, lse):  # one all_gather of the packed partials over `seq`
-            parts = jax.lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), seq)
-            return parts[..., :-1], parts[..., -1]
-
-        return reference.attend(q, cache, params, softmax_scale, history_offset=offset, gather_history=gather,
-                                own=own)[0], cache
+        slice_tokens = cache.hist_codes_k.shape[-2] * cache.spec.quant.tokens_per_byte
+        o, lse, cache = run(jax.lax.axis_index(seq) * slice_tokens)
+        parts = jax.lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), seq)  # [S, B, C, Hq, D + 1]
+        o, _ = reference.merge_partials(list(parts[..., :-1]), list(parts[..., -1]))
+        return o.astype(q.dtype), cache
 
     return _on_shards(body, cache, params, (q, k, v), (qkv,) * 3, qkv, mesh, rules)
 

@@ -11,8 +11,6 @@ exactly. Computed in float32 at HIGHEST precision.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -75,8 +73,7 @@ def shift_lse(lse: jax.Array, q: jax.Array, params: LayerParams, scale: float) -
 
 
 def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
-           softmax_scale: float | None = None, *, history_offset=0,
-           gather_history: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None,
+           softmax_scale: float | None = None, *, history_offset=None,
            own: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
     """q: [B, C, Hq, D] post-RoPE, unrotated -> (o [B, C, Hq, D] in q.dtype, lse f32 [B, C, Hq]).
 
@@ -84,10 +81,12 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     own: the chunk's K/V as the cache stores them (`updates.stored_kv`: bf16 [B, Hkv, C, D]),
     needed when C > W: its queries then see the sink and history before the chunk (all of it)
     and the chunk's own tokens from `own`, causally, in blocks of W queries.
-    Sequence parallelism (`oscar_jax.parallel`): the cache's history arrays may hold only
-    history indices [history_offset, history_offset + T_local) of a longer history (int or
-    traced int32), and gather_history(o, lse) returns the history partials of every slice
-    stacked ([S, B, Hkv, g, C, D], [S, B, Hkv, g, C]), merged here with the sink and ring.
+    history_offset (int or traced int32; sequence parallelism, `oscar_jax.parallel`): the
+    cache's history arrays hold only history indices [history_offset, history_offset +
+    T_local) of a longer history, and the call returns this slice's partial: its history
+    tokens, and the sink and ring (for C > W: the sink and the chunk's own tokens) only where
+    history_offset == 0, o in float32; `merge_partials` of every slice's (o, lse) is the whole
+    cache's attention (each segment lies in exactly one slice's partial).
     """
     spec = cache.spec
     c, d = q.shape[1], q.shape[3]
@@ -98,32 +97,34 @@ def attend(q: jax.Array, cache: OscarCache, params: LayerParams,
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     qr = jnp.einsum("bhgcd,hde->bhgce", _split_heads(q.astype(jnp.float32), spec.kv_heads),
                     params.query_rot, precision=_HI)
-    common = dict(cache=cache, scale=scale, history_offset=history_offset, gather_history=gather_history)
+    common = dict(cache=cache, scale=scale, history_offset=0 if history_offset is None else history_offset,
+                  first=True if history_offset is None else history_offset == 0)
     if own is None:
         o, lse = merge_partials(*_segments(qr, **common))
     else:
-        block = lambda qb, first: merge_partials(*_chunk_segments(qb, own=own, first=first, **common))
+        block = lambda qb, start: merge_partials(*_chunk_segments(qb, own=own, start=start, **common))
         o, lse = _by_query_blocks(block, qr, spec.window)
     if not params.v_folded:
         o = jnp.einsum("bhgce,hde->bhgcd", o, params.output_rot, precision=_HI)
     lse = jnp.moveaxis(lse, 3, 1).reshape(q.shape[:3])
-    return _merge_heads(o).astype(q.dtype), shift_lse(lse, q, params, scale)
+    o = _merge_heads(o)
+    return o if history_offset is not None else o.astype(q.dtype), shift_lse(lse, q, params, scale)
 
 
-def _history_segments(qr, cache: OscarCache, visible, scale, history_offset, gather_history):
-    """The history's partials: ([o [B, H, g, C, D]], [lse]) per slice (one without sequence
-    parallelism), visible(hist_pos [1, 1, T]) -> mask [B, C, T]; none without a history."""
+def _history_segments(qr, cache: OscarCache, visible, scale, history_offset):
+    """The history's partial: ([o [B, H, g, C, D]], [lse]), visible(hist_pos [1, 1, T]) -> mask
+    [B, C, T]; none without a history."""
     hist_k = cache.dequantized_hist("k")
     if not hist_k.shape[-2]:
         return [], []
     hist_pos = cache.spec.sink + history_offset + jnp.arange(hist_k.shape[-2])[None, None, :]
     o_h, lse_h = segment_attention(qr, hist_k, cache.dequantized_hist("v"), visible(hist_pos), scale)
-    o_h, lse_h = (o_h[None], lse_h[None]) if gather_history is None else gather_history(o_h, lse_h)
-    return list(o_h), list(lse_h)
+    return [o_h], [lse_h]
 
 
-def _segments(qr, *, cache: OscarCache, scale, history_offset, gather_history):
-    """C <= W queries, the chunk appended: sink, history and ring partials (lists of o, lse)."""
+def _segments(qr, *, cache: OscarCache, scale, history_offset, first):
+    """C <= W queries, the chunk appended: sink, history and ring partials (lists of o, lse);
+    the sink and ring only where `first` (the slice at history index 0)."""
     spec = cache.spec
     c = qr.shape[3]
     n = cache.lengths
@@ -132,20 +133,21 @@ def _segments(qr, *, cache: OscarCache, scale, history_offset, gather_history):
     f32 = lambda x: x.astype(jnp.float32)
     sink_pos = jnp.arange(s0)[None, None, :]
     o_s, lse_s = segment_attention(qr, f32(cache.sink_k), f32(cache.sink_v),
-                                   (sink_pos < n[:, None, None]) & (sink_pos <= qp[..., None]), scale)
+                                   (sink_pos < n[:, None, None]) & (sink_pos <= qp[..., None]) & first, scale)
     o_h, lse_h = _history_segments(
         qr, cache, lambda hist_pos: (hist_pos < (n - w)[:, None, None]) & (hist_pos <= qp[..., None]), scale,
-        history_offset, gather_history)
+        history_offset)
     rpos = ring_positions(n, s0, w)[:, None, :]
     o_r, lse_r = segment_attention(qr, f32(cache.recent_k), f32(cache.recent_v),
-                                   (rpos >= 0) & (rpos <= qp[..., None]), scale)
+                                   (rpos >= 0) & (rpos <= qp[..., None]) & first, scale)
     return [o_s, *o_h, o_r], [lse_s, *lse_h, lse_r]
 
 
-def _chunk_segments(qb, *, cache: OscarCache, scale, history_offset, gather_history, own, first):
-    """Queries first .. first + Cb - 1 (qb [B, H, g, Cb, D]) of a C-token chunk the cache has
+def _chunk_segments(qb, *, cache: OscarCache, scale, history_offset, first, own, start):
+    """Queries start .. start + Cb - 1 (qb [B, H, g, Cb, D]) of a C-token chunk the cache has
     taken (C = own's length): sink and history before the chunk, and the chunk's own tokens
-    (own: bf16 [B, H, C, D] each) causally. Lists of (o, lse) partials."""
+    (own: bf16 [B, H, C, D] each) causally; the sink and the chunk only where `first`. Lists
+    of (o, lse) partials."""
     spec = cache.spec
     b, cb = qb.shape[0], qb.shape[3]
     own_k, own_v = (x.astype(jnp.float32) for x in own)
@@ -153,10 +155,10 @@ def _chunk_segments(qb, *, cache: OscarCache, scale, history_offset, gather_hist
     before = (cache.lengths - c)[:, None, None]  # [B, 1, 1]: tokens held before the chunk
     held = lambda pos: jnp.broadcast_to(pos < before, (b, cb, pos.shape[-1]))
     o_s, lse_s = segment_attention(qb, cache.sink_k.astype(jnp.float32), cache.sink_v.astype(jnp.float32),
-                                   held(jnp.arange(spec.sink)[None, None, :]), scale)
-    o_h, lse_h = _history_segments(qb, cache, held, scale, history_offset, gather_history)
-    causal = jnp.arange(c)[None, :] <= (first + jnp.arange(cb))[:, None]  # [Cb, C]
-    o_o, lse_o = segment_attention(qb, own_k, own_v, jnp.broadcast_to(causal, (b, cb, c)), scale)
+                                   held(jnp.arange(spec.sink)[None, None, :]) & first, scale)
+    o_h, lse_h = _history_segments(qb, cache, held, scale, history_offset)
+    causal = jnp.arange(c)[None, :] <= (start + jnp.arange(cb))[:, None]  # [Cb, C]
+    o_o, lse_o = segment_attention(qb, own_k, own_v, jnp.broadcast_to(causal, (b, cb, c)) & first, scale)
     return [o_s, *o_h, o_o], [lse_s, *lse_h, lse_o]
 
 

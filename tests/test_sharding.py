@@ -135,5 +135,9 @@ def test_sequence_parallel_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="5 packed rows do not split over seq=8"):
         parallel.append_attend(cache, params, q, k, k, mesh=mesh)
     cache = oj.OscarCache.init(dataclasses.replace(spec, max_len=parallel.seq_max_len(spec, 8)), stacked=False)
-    with pytest.raises(ValueError, match="implementation='pallas'"):
+    with pytest.raises(ValueError, match="implementation='pallas' does not support"):  # D = 16
         parallel.append_attend(cache, params, q, k, k, mesh=mesh, implementation="pallas")
+    chunk = jnp.ones((1, 10, 2, 16))  # C = 10 > W = 8: XLA only, on a mesh as on one device
+    with pytest.raises(ValueError, match="implementation='pallas_tpu' does not support .*C=10"):
+        parallel.append_attend(cache, params, chunk, chunk, chunk, mesh=mesh, implementation="pallas_tpu",
+                               interpret=True)

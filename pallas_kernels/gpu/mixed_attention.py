@@ -342,7 +342,8 @@ def _default_splits(programs: int, hist_rows: int, blocks: BlockSizes) -> int:
 
 def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
-                    interpret: bool = False, block_sizes: BlockSizes | None = None, block_table=None):
+                    interpret: bool = False, block_sizes: BlockSizes | None = None, block_table=None,
+                    history_offset=None):
     """Attention of C new queries over one layer's mixed cache (plain arrays, rotated basis).
 
     q_rot: f32 [B, C, Hq, D] (already multiplied by R_K); cache: `layout.CacheArrays` (metadata
@@ -352,6 +353,12 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
     then a pool of P pages ([P, Hkv, R, D] etc., R rows a page, a multiple of the step's
     `block_rows`, which is lowered to R where larger) and history row r of sequence b lies in
     page block_table[b, r // R] (read where a tile is fetched; the loops are unchanged).
+    history_offset: int32 [] (may be traced) for a history slice (sequence parallelism): the
+    history arrays hold history indices [history_offset, history_offset + T_hist) of a longer
+    history; the result is then the slice's partial, the sink and ring attended only where
+    history_offset == 0. The history programs see lengths - history_offset (so they stop at
+    the slice's own tokens); the sink and ring's program, whose partial counts only at offset 0
+    (where the lengths are the true ones), is dropped from the merge elsewhere.
     """
     (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
      recent_k, recent_v, lengths) = cache
@@ -382,6 +389,8 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
                          f"[B={b}, Hkv={hkv}, D={d}, T_hist/{tpb}={hist_rows}]")
     if lengths.shape != (b,):
         raise ValueError(f"lengths.shape={lengths.shape}: expected [B={b}]")
+    if history_offset is not None and page_rows is not None:
+        raise ValueError("history_offset with a block_table: a paged history is attended whole")
     enc = level_encoding(tuple(levels))
     if enc is None:
         raise ValueError(f"levels={levels}: no small integer multiple is exact in bf16")
@@ -419,7 +428,10 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
     # The block table flat, padded to a power of two (the lengths of Triton's blocks).
     table = jnp.zeros((1,), jnp.int32) if block_table is None else block_table.reshape(-1).astype(jnp.int32)
     table = jnp.pad(table, (0, (1 << (table.size - 1).bit_length()) - table.size))
-    arrays = (lengths.astype(jnp.int32), table, q, sink_k, sink_v, hist_codes_k, hist_codes_v,
+    lengths = lengths.astype(jnp.int32)
+    if history_offset is not None:
+        lengths = jnp.maximum(lengths - history_offset, 0)
+    arrays = (lengths, table, q, sink_k, sink_v, hist_codes_k, hist_codes_v,
               hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v, recent_k, recent_v)
     in_specs = [full(arrays[0]), full(table), pl.BlockSpec((None, None, bm, d), lambda i, j, k, s: (i, j, k, 0))]
     in_specs += [full(x) for x in arrays[3:]]
@@ -436,6 +448,8 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int, window: int,
         interpret=interpret,
         name="oscar_mixed_attention",
     )(*arrays)
+    if history_offset is not None:  # the sink and ring's partial (the last split) counts at offset 0 only
+        lse_part = lse_part.at[:, :, -1].set(jnp.where(history_offset == 0, lse_part[:, :, -1], -jnp.inf))
     # Each (split, slice) pair is one partial softmax of query row `row`: merge them all.
     o, lse = merge_splits(o_part[..., :me, :].reshape(b, hkv, splits * tpb, m, d),
                           lse_part[..., :me].reshape(b, hkv, splits * tpb, m))

@@ -50,7 +50,8 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
                     bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool = False, config: Config | None = None,
                     query_rot: jax.Array | None = None, output_rot: jax.Array | None = None,
-                    query_rot_stats: jax.Array | None = None, out_dtype=jnp.float32, block_table=None):
+                    query_rot_stats: jax.Array | None = None, out_dtype=jnp.float32, block_table=None,
+                    history_offset=None):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
     except that both rotations may be left to this kernel.
 
@@ -69,6 +70,12 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
     64-row TMA tile: pages of whole HIST_TILEs), and history tile t of row b is read from page
     block_table[b, t * 64 // R] where its TMA copy is issued (the schedule is the contiguous
     one's for n * R rows).
+    history_offset: int32 [] (may be traced) for a history slice (sequence parallelism): the
+    history arrays hold history indices [history_offset, history_offset + T_hist) of a longer
+    history; the result is then the slice's partial, the sink and ring attended only where
+    history_offset == 0. The kernel sees lengths - history_offset (its history pieces stop at
+    the slice's own tokens); `decode_finish` merges each pair's sink and ring partial (its
+    last, computed from those lengths) only at offset 0, where the lengths are the true ones.
     """
     (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
      recent_k, recent_v, lengths) = cache
@@ -90,6 +97,8 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
     if hist_codes_v.shape != (lead, hkv, d, page_rows):
         raise ValueError(f"hist_codes_v.shape={hist_codes_v.shape}: expected channel-major "
                          f"[{lead}, Hkv={hkv}, D={d}, {page_rows}]")
+    if history_offset is not None and paged:
+        raise ValueError("history_offset with a block_table: a paged history is attended whole")
     if rows >= ROWS and rows % ROWS:
         raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: T_hist/4 must be a multiple of {ROWS} "
                          "(whole TMA tiles; CacheSpec allocates a longer history in 256-token tiles)")
@@ -119,12 +128,17 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
     table = jnp.asarray(line.table())
     if paged:  # the block table rides behind the schedule's tables (decode_finish reads those only)
         table = jnp.concatenate([table, block_table.reshape(-1).astype(table.dtype)])
-    o_t, lse2 = kernel(lengths.astype(jnp.int32), table,
+    lengths = lengths.astype(jnp.int32)
+    counts, counts_at = table, line.table_offsets[1]
+    if history_offset is not None:  # a slice away from offset 0: each pair's last partial (sink, ring) left out
+        lengths = jnp.maximum(lengths - history_offset, 0)
+        counts, counts_at = jnp.asarray(line.tables()[2]) - (history_offset != 0).astype(jnp.int32), 0
+    o_t, lse2 = kernel(lengths, table,
                        q_blocks, qcol, q_dense.reshape(b, hkv, 4 * N, d), codes_k,
                        codes_v, *meta, *segments)
     fused_rot = output_rot if d <= 128 else None
     xla_rot = output_rot is not None and fused_rot is None
-    o, lse = decode_finish(o_t, lse2, table, counts_at=line.table_offsets[1], g=g, cols=cols,
+    o, lse = decode_finish(o_t, lse2, counts, counts_at=counts_at, g=g, cols=cols,
                            output_rot=fused_rot, out_dtype=jnp.float32 if xla_rot else out_dtype,
                            interpret=interpret)
     if xla_rot:

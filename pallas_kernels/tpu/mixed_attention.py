@@ -70,12 +70,17 @@ class AttentionConfig:
                              f"multiple of {NUM_LANES}")
 
 
-def interpret_params(interpret: bool | pltpu.InterpretParams) -> pltpu.InterpretParams | None:
+def interpret_params(interpret: bool | pltpu.InterpretParams) -> pltpu.InterpretParams | bool | None:
     """The adapter's `interpret=True` -> TPU interpret mode with out-of-bounds reads
     raising, race detection on, grid order along parallel axes randomised and 2 simulated
-    cores (with one, programs run one after another and no race between them can show)."""
+    cores (with one, programs run one after another and no race between them can show).
+    Inside a program over several devices (`shard_map`, `oscar_jax.parallel`): Pallas's
+    generic interpreter (True) instead, since the TPU one's per-device callbacks wait on
+    each other there (with 2 cores they hang; with one, 8 devices take seconds a call)."""
     if isinstance(interpret, pltpu.InterpretParams):
         return interpret
+    if interpret and jax.sharding.get_abstract_mesh().size > 1:
+        return True
     if interpret:
         return pltpu.InterpretParams(detect_races=True, out_of_bounds_reads="raise", random_seed=0,
                                      num_cores_or_threads=2)
@@ -117,16 +122,20 @@ def _dot(a: jax.Array, b: jax.Array, dims, passes: int) -> jax.Array:
                for x in _bf16_pieces(a, passes))
 
 
-def _kernel(lengths_ref, *refs, paged, sink, window, bits, levels, chunk, hist_rows,
+def _kernel(lengths_ref, *refs, paged, split, sink, window, bits, levels, chunk, hist_rows, hist_tokens,
             n_groups, has_sink, has_hist, passes):
-    """Refs per grid point (b, h, k): the block table (SMEM, when paged: read by the index
-    maps only, so block k is history block k of row b whichever page holds it);
+    """Refs per grid point (b, h, k): with `split` (a history slice) first_ref int32 [1] (SMEM:
+    1 where this slice attends the sink and ring); the block table (SMEM, when paged: read by
+    the index maps only, so block k is history block k of row b whichever page holds it);
     q_ref f32 [M, D] (scaled, rotated; row r is query c = r % chunk);
     sink_k/v bf16 [S0, D]; codes_k u8 [hist_rows, D]; codes_v u8 [D, hist_rows];
     lo_k, scale_k, lo_v, scale_v [n_groups, tpb, hist_rows]; recent_k/v bf16 [W, D];
     outputs o f32 [M, D], lse f32 [M, 128]; scratch m, l f32 [M, 128], acc f32 [M, D].
     """
-    refs = list(refs[1:] if paged else refs)
+    refs = list(refs)
+    dense = refs.pop(0)[0] == 1 if split else True  # whether the sink and ring count here
+    if paged:
+        refs.pop(0)
     q_ref = refs.pop(0)
     sink_k_ref, sink_v_ref = (refs.pop(0), refs.pop(0)) if has_sink else (None, None)
     hist = [refs.pop(0) for _ in range(6)] if has_hist else None
@@ -163,12 +172,12 @@ def _kernel(lengths_ref, *refs, paged, sink, window, bits, levels, chunk, hist_r
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         if has_sink:
             pos = jax.lax.broadcasted_iota(jnp.int32, (1, sink), 1)
-            dense_segment(sink_k_ref, sink_v_ref, (pos < n) & (pos <= q_pos))
+            dense_segment(sink_k_ref, sink_v_ref, (pos < n) & (pos <= q_pos) & dense)
 
     if has_hist:
         codes_k_ref, codes_v_ref, lo_k_ref, scale_k_ref, lo_v_ref, scale_v_ref = hist
         tpb = 8 // bits
-        n_hist = jnp.maximum(n - window - sink, 0)
+        n_hist = _history_tokens(n, sink, window, hist_tokens)
 
         @pl.when(k * hist_rows * tpb < n_hist)
         def _history():
@@ -208,11 +217,17 @@ def _kernel(lengths_ref, *refs, paged, sink, window, bits, levels, chunk, hist_r
         slot = jax.lax.broadcasted_iota(jnp.int32, (1, window), 1)
         pos = n - 1 - jnp.remainder(n - 1 - sink - slot, window)  # position held by each slot
         held = (pos >= sink) & (pos >= n - window)
-        dense_segment(recent_k_ref, recent_v_ref, held & (pos <= q_pos))
+        dense_segment(recent_k_ref, recent_v_ref, held & (pos <= q_pos) & dense)
         l = l_ref[:, :1]
         o_ref[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
         lse = jnp.where(l > 0, m_ref[:, :1] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+def _history_tokens(n, sink: int, window: int, hist_tokens: int):
+    """History tokens a row of n tokens holds in arrays of `hist_tokens` (a slice's lengths
+    run past them)."""
+    return jnp.clip(n - window - sink, 0, hist_tokens)
 
 
 def _check(name, x, shape, dtype=None):
@@ -226,7 +241,7 @@ def _check(name, x, shape, dtype=None):
 def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
                     window: int, bits: int, levels: tuple[float, ...], softmax_scale: float,
                     interpret: bool | pltpu.InterpretParams = False,
-                    config: AttentionConfig = AttentionConfig(), block_table=None):
+                    config: AttentionConfig = AttentionConfig(), block_table=None, history_offset=None):
     """Attention of C appended queries over one layer's mixed cache (docs/method.md,
     "Attention over the mixed cache").
 
@@ -238,6 +253,11 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
     arrays are then a pool of pages, [P, Hkv, R, D] etc. with R the rows of one page, and
     history block k of row b is page block_table[b, k] (one page per grid step; the table is
     a second scalar prefetch, read only by the index maps).
+    history_offset: int32 [] (may be traced) for a history slice (sequence parallelism): the
+    history arrays hold history indices [history_offset, history_offset + T_hist) of a longer
+    history; the result is then the slice's partial, the sink and ring attended only where
+    history_offset == 0 (a scalar prefetch says so; the kernel sees lengths - history_offset,
+    the true lengths where it attends them).
     """
     (sink_k, sink_v, hist_codes_k, hist_codes_v, hist_lo_k, hist_scale_k, hist_lo_v, hist_scale_v,
      recent_k, recent_v, lengths) = cache
@@ -266,6 +286,8 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
                     ("hist_lo_v", hist_lo_v), ("hist_scale_v", hist_scale_v)):
         _check(name, x, (hist_lead, hkv, n_groups, tpb, rows))
     _check("lengths", lengths, (bsz,), jnp.int32)
+    if paged and history_offset is not None:
+        raise ValueError("history_offset with a block_table: a paged history is attended whole")
     if paged and (block_table.ndim != 2 or block_table.shape[0] != bsz or block_table.dtype != jnp.int32):
         raise ValueError(f"block_table: got {block_table.shape} {block_table.dtype}, expected [B={bsz}, n] int32")
 
@@ -278,6 +300,7 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
     q = jnp.pad(q, ((0, 0), (0, 0), (0, m_rows - m_real), (0, 0)))
 
     has_sink, has_hist = sink > 0, rows > 0
+    split = history_offset is not None
     if paged:  # one page per grid step
         hist_rows, n_blocks = rows, block_table.shape[1]
         prefetch = (lengths, block_table.reshape(-1))
@@ -285,19 +308,23 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
         hist_rows = rows if rows <= config.hist_rows else config.hist_rows
         n_blocks = pl.cdiv(rows, hist_rows) if has_hist else 1
         prefetch = (lengths,)
+    if split:
+        offset = jnp.asarray(history_offset, jnp.int32)
+        prefetch = (jnp.maximum(lengths - offset, 0), (offset == 0).astype(jnp.int32)[None])
+    hist_tokens = (block_table.shape[1] if paged else 1) * rows * tpb
     sq = pl.squeezed
 
     def fixed(b, h, k, *prefetch_refs):
         return b, h, 0, 0
 
-    def hist_block(b, h, k, lengths_ref, *table_ref):
+    def hist_block(b, h, k, lengths_ref, *rest):
         """(row or page, h, block): k clamped to the last block holding tokens, so later steps
-        re-use it (no DMA); through the block table when paged."""
-        n_hist = jnp.maximum(lengths_ref[b] - window - sink, 0)
+        re-use it (no DMA); through the block table (the last prefetch) when paged."""
+        n_hist = _history_tokens(lengths_ref[b], sink, window, hist_tokens)
         last = jnp.maximum(pl.cdiv(n_hist, hist_rows * tpb) - 1, 0)
         k = jnp.minimum(k, last)
         if paged:
-            return jnp.maximum(table_ref[0][b * n_blocks + k], 0), h, 0
+            return jnp.maximum(rest[-1][b * n_blocks + k], 0), h, 0
         return b, h, k
 
     in_specs = [pl.BlockSpec((sq, sq, m_rows, d), fixed)]
@@ -317,8 +344,8 @@ def mixed_attention(q_rot, cache: layout.CacheArrays, *, sink: int,
     args += [recent_k, recent_v]
 
     kernel = functools.partial(
-        _kernel, paged=paged, sink=sink, window=window, bits=bits, levels=tuple(levels), chunk=chunk,
-        hist_rows=hist_rows, n_groups=n_groups, has_sink=has_sink, has_hist=has_hist,
+        _kernel, paged=paged, split=split, sink=sink, window=window, bits=bits, levels=tuple(levels), chunk=chunk,
+        hist_rows=hist_rows, hist_tokens=hist_tokens, n_groups=n_groups, has_sink=has_sink, has_hist=has_hist,
         passes=config.passes)
     o, lse = pl.pallas_call(
         kernel,
