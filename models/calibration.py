@@ -195,6 +195,25 @@ def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
     return spread(stats.query_cov), spread(stats.value_cov)
 
 
+def _measured_budget(path: Path, settings: dict) -> dict:
+    """The budget row of an `oscar calibrate --json` record whose settings equal `settings`
+    (a key the row lacks is not compared; the KL settings only when it weighed by KL), else
+    ValueError naming the first that differs."""
+    rows = [r for r in results_io.read(path)["rows"] if r.get("variant") == "budget"]
+    if len(rows) != 1:
+        raise ValueError(f"expected one budget row, found {len(rows)}")
+    row = rows[0]
+    missing = [k for k in ("layer_errors", "layer_weights") if k not in row]
+    if missing:
+        raise ValueError(f"its budget row lacks {missing} (written by an older oscar calibrate)")
+    for key, want in settings.items():
+        if key.startswith("kl_") and row.get("weights") != "kl":
+            continue
+        if key in row and row[key] != want:
+            raise ValueError(f"its {key} is {row[key]!r}, this run's {want!r}: measured for other settings")
+    return row
+
+
 def _check_pair(rot_k: str, rot_v: str) -> None:
     """ValueError unless both names parse and learned K and V share the per-head setting."""
     learned = [s for s in map(cal.RotationSpec.parse, (rot_k, rot_v)) if s.kind == "learned"]
@@ -260,6 +279,10 @@ def calibrate(
     budget_kl_context: int = typer.Option(2048, min=2, help="--budget-weights kl: tokens per held-aside sequence"),
     budget_kl_windows: int = typer.Option(1, min=1, help="--budget-weights kl: held-aside sequences (after the "
                                                          "--budget-windows ones)"),
+    budget_measured: Path | None = typer.Option(None, help="--target-bpe: take the per-layer errors and weights "
+                                                           "from the budget row of an earlier --json record of "
+                                                           "the same settings (another target) instead of "
+                                                           "measuring them again"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print: "
                                               "a rotation name (K and V) or K:V"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
@@ -341,6 +364,17 @@ def calibrate(
                          f"sink + window = {s + w}")
             cli.check_context(cfg, budget_kl_context, "a held-aside sequence (--budget-kl-context)")
             context_tokens += budget_kl_windows * budget_kl_context
+        if budget_measured is not None:
+            try:
+                measured = _measured_budget(budget_measured, {
+                    "model": model, "tokens": tokens // seq_len * seq_len, "seq_len": seq_len,
+                    "center_keys": center_keys, "context": budget_context, "chunk": budget_chunk,
+                    "heldout_sequences": budget_windows, "candidates": [dataclasses.asdict(q) for q in candidates],
+                    "segments": [list(x) for x in segments], "weights": budget_weights, "heldout_tokens": heldout_tokens,
+                    "rotation_k": rotation_k, "rotation_v": rotation_v, "clips": clips, "clip_min": clip_min,
+                    "kl_context": budget_kl_context, "kl_sequences": budget_kl_windows})
+            except (OSError, ValueError, KeyError) as e:
+                cli.fail(f"--budget-measured {budget_measured}: {e}")
     held_windows = 2 if compare else 1
     if heldout_tokens < held_windows * seq_len:
         cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
@@ -398,6 +432,16 @@ def calibrate(
         result = cal.calibrate(run.stats, run.heldout, rotation_k=rotations[0], rotation_v=rotations[1],
                                quant_cfg=quant_cfg, clips=clips, grid=grid, softmax_scale=scale,
                                center_keys=center_keys)
+    elif budget_measured is not None:
+        calibrations = [cal.calibrate(run.stats, run.heldout, rotation_k=rotations[0], rotation_v=rotations[1],
+                                      quant_cfg=q, clips=clips, grid=grid, softmax_scale=scale,
+                                      center_keys=center_keys) for q in candidates]
+        layer_kl = None if measured.get("layer_kl") is None else (np.asarray(measured["layer_kl"]),
+                                                                   np.asarray(measured["layer_kl_error"]))
+        choice = budget.choose(calibrations, segments, measured["layer_errors"], bits, measured["layer_weights"],
+                               target_bpe)
+        result, (sink, window) = choice.calibration, choice.segment
+        budget_errors, picked = choice.errors[choice.chosen], choice.picked
     else:
         after = tokens + heldout_tokens + budget_windows * budget_context
         context_held = capture_windows(decoder, ids[tokens + heldout_tokens: after], budget_context)
@@ -473,7 +517,9 @@ def calibrate(
     rows = [timing]
     if target_bpe is not None:
         rows.append({**setting, "variant": "budget", "target_bpe": target_bpe, "context": budget_context,
-                     "chunk": budget_chunk, "heldout_sequences": budget_windows,
+                     "chunk": budget_chunk, "heldout_sequences": budget_windows, "heldout_tokens": heldout_tokens,
+                     "rotation_k": rotation_k, "rotation_v": rotation_v, "clips": clips, "clip_min": clip_min,
+                     "measured_in": None if budget_measured is None else str(budget_measured),
                      "bpe": float(choice.bits[choice.chosen, picked].mean()),
                      "candidates": [dataclasses.asdict(q) for q in candidates],
                      "segments": [list(x) for x in segments], "candidate_bpe": choice.bits.tolist(),

@@ -316,9 +316,24 @@ def calibrate_within(stats: cal.Statistics, heldout, context_held, rot_k, rot_v,
                     for q in candidates]
     errors = context_errors(context_held, calibrations, segments, chunk=chunk, queries=queries,
                             softmax_scale=softmax_scale)
-    weights = np.ones(errors.shape[1]) if weigh is None else np.asarray(weigh(calibrations[0]), np.float64)
-    if weights.shape != (errors.shape[1],) or not (np.isfinite(weights).all() and (weights >= 0).all()):
-        raise ValueError(f"weigh returned {weights}: expected [L={errors.shape[1]}] finite weights >= 0")
+    weights = np.ones(errors.shape[1]) if weigh is None else weigh(calibrations[0])
+    return choose(calibrations, segments, errors, bits, weights, target)
+
+
+def choose(calibrations: Sequence[cal.Calibration], segments: Sequence[tuple[int, int]], errors: np.ndarray,
+           bits: np.ndarray, weights: np.ndarray, target: float) -> BudgetChoice:
+    """The segment and per-layer candidates of least Σ_l weights[l] · errors[s, l, c_l] within
+    `target` (`allocate_segments`), joined by `select`. calibrations: the C candidates' (each
+    [L] layers); errors [S, L, C], bits [S, C]: as measured for them (`context_errors`,
+    `candidate_bits`); weights [L] >= 0."""
+    errors, bits = np.asarray(errors, np.float64), np.asarray(bits, np.float64)
+    weights = np.asarray(weights, np.float64)
+    layers = calibrations[0].clip_k.shape[0]
+    if errors.shape != (len(segments), layers, len(calibrations)) or bits.shape != (len(segments), len(calibrations)):
+        raise ValueError(f"errors.shape={errors.shape}, bits.shape={bits.shape}: expected [S={len(segments)}, "
+                         f"L={layers}, C={len(calibrations)}] and [S, C]")
+    if weights.shape != (layers,) or not (np.isfinite(weights).all() and (weights >= 0).all()):
+        raise ValueError(f"weights={weights}: expected [L={layers}] finite weights >= 0")
     chosen, picked = allocate_segments(errors * weights[None, :, None], bits, target)
     return BudgetChoice(select(calibrations, picked), tuple(segments[chosen]), errors, bits, chosen, picked, weights)
 
