@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax import budget
+from oscar_jax import budget, learn
 from oscar_jax import calibrate as cal
 from oscar_jax.models.config import LayerType, ModelConfig
 from oscar_jax.models.decoder import Decoder, _forward_layer, output_and_mlp, project_qkv
@@ -29,8 +29,6 @@ def _served_layer(w, x, positions, rot_k, dual_k, shift, clip_k, rot_v, dual_v, 
                   kind: LayerType, quant, sink: int, window: int, chunk: int):
     """One full-attention layer with its K/V served quantised: x [1, T, H] -> (x, Σ |o - ô|²,
     Σ |o|²) over every query."""
-    from oscar_jax import learn
-
     q, k, v = project_qkv(cfg, kind, w, x, positions)
     f32 = lambda a: a.astype(jnp.float32)
     k_hat = learn._served_values(f32(k), rot_k, dual_k, shift, quant, clip_k)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from oscar_jax import budget
+from oscar_jax import budget, learn
 from oscar_jax import calibrate as cal
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import sensitivity
@@ -98,7 +98,6 @@ def test_layer_kl_matches_an_oracle_forward():
             x = _forward_layer(model.layers[i].arrays(), x, positions, jnp.array([30]), cfg=cfg,
                                kind=cfg.layer_types[i], capture=False, kv_dtype=None, exact_prefix=0)[0]
         q, k, v = (np.asarray(a[1, 0]) for a in _capture(model, tokens, (0, 2)))
-        from oscar_jax import learn
         k_hat, v_hat = (np.asarray(learn._served_values(jnp.asarray(a[None]), jnp.asarray(rot[1]), jnp.asarray(dual[1]),
                                                          jnp.asarray(shift), two.quant, float(clip[1]))[0])
                         for a, rot, dual, shift, clip in (
