@@ -371,7 +371,8 @@ def calibrate(
                     "center_keys": center_keys, "context": budget_context, "chunk": budget_chunk,
                     "heldout_sequences": budget_windows, "candidates": [dataclasses.asdict(q) for q in candidates],
                     "segments": [list(x) for x in segments], "weights": budget_weights,
-                    "heldout_tokens": heldout_tokens, "rotation_k": rotation_k, "rotation_v": rotation_v, "clips": clips, "clip_min": clip_min,
+                    "heldout_tokens": heldout_tokens, "rotation_k": rotation_k, "rotation_v": rotation_v,
+                    "clips": clips, "clip_min": clip_min,
                     "kl_context": budget_kl_context, "kl_sequences": budget_kl_windows})
             except (OSError, ValueError, KeyError) as e:
                 cli.fail(f"--budget-measured {budget_measured}: {e}")
