@@ -7,7 +7,8 @@
 Rows are taken from the given records when they evaluate `--model` over the same text and
 number of predicted tokens as the first bf16 row found (so every point is comparable);
 ΔPPL is in percent of that bf16 PPL. An oscar row is named from its calibration: "oscar
-budget" when its artifact spends a per-layer bit budget, else "oscar G=..". Writes the plot,
+budget" when its artifact spends a per-layer bit budget, else "oscar G=.." (a row's own
+"scheme" name, when it has one, instead: e.g. how its budget weighed the layers). Writes the plot,
 a record of the points beside it (same name, .json) and prints the markdown table.
 """
 
@@ -25,8 +26,11 @@ SKIP = ("bf16", "fp32")  # the references, not points
 
 
 def label(row: dict) -> str:
-    """A scheme's name for the plot: kv, and for oscar rows what their calibration was (a
-    per-layer budget or the group size G, and the bf16 sink + window)."""
+    """A scheme's name for the plot: the row's "scheme" when it names one, else kv, and for
+    oscar rows what their calibration was (a per-layer budget or the group size G, and the
+    bf16 sink + window)."""
+    if row.get("scheme"):
+        return row["scheme"]
     calibration = row.get("calibration", "")
     if not row["kv"].startswith("oscar") or not calibration:
         return row["kv"]

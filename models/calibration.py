@@ -27,7 +27,7 @@ from oscar_jax import artifact, budget
 from oscar_jax import calibrate as cal
 from oscar_jax import learn
 from oscar_jax.config import QuantConfig
-from oscar_jax.models import cli, corpus
+from oscar_jax.models import cli, corpus, sensitivity
 from oscar_jax.models import results as results_io
 from oscar_jax.models.cli import app, console
 from oscar_jax.models.decoder import Decoder
@@ -195,6 +195,25 @@ def eigen_spread(stats: cal.Statistics) -> tuple[np.ndarray, np.ndarray]:
     return spread(stats.query_cov), spread(stats.value_cov)
 
 
+def _measured_budget(path: Path, settings: dict) -> dict:
+    """The budget row of an `oscar calibrate --json` record whose settings equal `settings`
+    (a key the row lacks is not compared; the KL settings only when it weighed by KL), else
+    ValueError naming the first that differs."""
+    rows = [r for r in results_io.read(path)["rows"] if r.get("variant") == "budget"]
+    if len(rows) != 1:
+        raise ValueError(f"expected one budget row, found {len(rows)}")
+    row = rows[0]
+    missing = [k for k in ("layer_errors", "layer_weights") if k not in row]
+    if missing:
+        raise ValueError(f"its budget row lacks {missing} (written by an older oscar calibrate)")
+    for key, want in settings.items():
+        if key.startswith("kl_") and row.get("weights") != "kl":
+            continue
+        if key in row and row[key] != want:
+            raise ValueError(f"its {key} is {row[key]!r}, this run's {want!r}: measured for other settings")
+    return row
+
+
 def _check_pair(rot_k: str, rot_v: str) -> None:
     """ValueError unless both names parse and learned K and V share the per-head setting."""
     learned = [s for s in map(cal.RotationSpec.parse, (rot_k, rot_v)) if s.kind == "learned"]
@@ -254,6 +273,16 @@ def calibrate(
                                                       "tokens the errors are measured on (after --heldout-tokens)"),
     budget_chunk: int = typer.Option(1, min=1, help="--target-bpe: the serving chunk the errors assume (1: token "
                                                     "by token; an evaluation's --chunk)"),
+    budget_weights: str = typer.Option("none", help="--target-bpe: none (sum the layers' errors) | kl (weigh each "
+                                                    "layer's errors by the output KL per unit of error when only "
+                                                    "it is served quantised: sensitivity.layer_kl)"),
+    budget_kl_context: int = typer.Option(2048, min=2, help="--budget-weights kl: tokens per held-aside sequence"),
+    budget_kl_windows: int = typer.Option(1, min=1, help="--budget-weights kl: held-aside sequences (after the "
+                                                         "--budget-windows ones)"),
+    budget_measured: Path | None = typer.Option(None, help="--target-bpe: take the per-layer errors and weights "
+                                                           "from the budget row of an earlier --json record of "
+                                                           "the same settings (another target) instead of "
+                                                           "measuring them again"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print: "
                                               "a rotation name (K and V) or K:V"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
@@ -326,6 +355,27 @@ def calibrate(
                      f"{'+'.join(map(str, segments[int(bits.min(axis=1).argmin())]))}")
         cli.check_context(cfg, budget_context, "a held-aside sequence (--budget-context)")
         context_tokens = budget_windows * budget_context
+        if budget_weights not in ("none", "kl"):
+            cli.fail(f"--budget-weights {budget_weights!r}: expected 'none' or 'kl'")
+        if budget_weights == "kl":
+            s, w = segments[0]
+            if budget_kl_context <= s + w:
+                cli.fail(f"--budget-kl-context {budget_kl_context}: expected more tokens than the first segment's "
+                         f"sink + window = {s + w}")
+            cli.check_context(cfg, budget_kl_context, "a held-aside sequence (--budget-kl-context)")
+            context_tokens += budget_kl_windows * budget_kl_context
+        if budget_measured is not None:
+            try:
+                measured = _measured_budget(budget_measured, {
+                    "model": model, "tokens": tokens // seq_len * seq_len, "seq_len": seq_len,
+                    "center_keys": center_keys, "context": budget_context, "chunk": budget_chunk,
+                    "heldout_sequences": budget_windows, "candidates": [dataclasses.asdict(q) for q in candidates],
+                    "segments": [list(x) for x in segments], "weights": budget_weights,
+                    "heldout_tokens": heldout_tokens, "rotation_k": rotation_k, "rotation_v": rotation_v,
+                    "clips": clips, "clip_min": clip_min,
+                    "kl_context": budget_kl_context, "kl_sequences": budget_kl_windows})
+            except (OSError, ValueError, KeyError) as e:
+                cli.fail(f"--budget-measured {budget_measured}: {e}")
     held_windows = 2 if compare else 1
     if heldout_tokens < held_windows * seq_len:
         cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
@@ -383,10 +433,35 @@ def calibrate(
         result = cal.calibrate(run.stats, run.heldout, rotation_k=rotations[0], rotation_v=rotations[1],
                                quant_cfg=quant_cfg, clips=clips, grid=grid, softmax_scale=scale,
                                center_keys=center_keys)
+    elif budget_measured is not None:
+        calibrations = [cal.calibrate(run.stats, run.heldout, rotation_k=rotations[0], rotation_v=rotations[1],
+                                      quant_cfg=q, clips=clips, grid=grid, softmax_scale=scale,
+                                      center_keys=center_keys) for q in candidates]
+        layer_kl = None if measured.get("layer_kl") is None else (np.asarray(measured["layer_kl"]),
+                                                                   np.asarray(measured["layer_kl_error"]))
+        choice = budget.choose(calibrations, segments, measured["layer_errors"], bits, measured["layer_weights"],
+                               target_bpe)
+        result, (sink, window) = choice.calibration, choice.segment
+        budget_errors, picked = choice.errors[choice.chosen], choice.picked
     else:
-        context_held = capture_windows(decoder, ids[tokens + heldout_tokens:], budget_context)
+        after = tokens + heldout_tokens + budget_windows * budget_context
+        context_held = capture_windows(decoder, ids[tokens + heldout_tokens: after], budget_context)
+        layer_kl = None
+
+        def weigh(first: cal.Calibration) -> np.ndarray:
+            """Each layer's KL per unit of error, the first candidate served with the first segment."""
+            nonlocal layer_kl
+            kl_ids = windows(ids[after:], budget_kl_context)
+            with Progress(console=console) as bar:
+                task = bar.add_task("output KL per layer", total=len(kl_ids) * len(run.layers))
+                layer_kl = sensitivity.layer_kl(decoder, kl_ids, first, sink=segments[0][0], window=segments[0][1],
+                                                chunk=min(budget_chunk, segments[0][1]),
+                                                progress=lambda: bar.advance(task))
+            return budget.output_weights(*layer_kl)
+
         choice = budget.calibrate_within(run.stats, run.heldout, context_held, *rotations, candidates, target_bpe,
-                                         segments, clips, grid, scale, chunk=budget_chunk, center_keys=center_keys)
+                                         segments, clips, grid, scale, chunk=budget_chunk, center_keys=center_keys,
+                                         weigh=weigh if budget_weights == "kl" else None)
         del context_held
         result, (sink, window) = choice.calibration, choice.segment
         budget_errors, picked = choice.errors[choice.chosen], choice.picked
@@ -411,18 +486,21 @@ def calibrate(
                       f"{result.clip_k[i]:.2f}", f"{result.clip_v[i]:.2f}", *budget_cells)
     console.print(table)
     if target_bpe is not None:
-        seg_table = Table(title=f"summed held-aside served error at {budget_context} tokens (chunk {budget_chunk}) "
-                                f"and bits/element: the budget within {target_bpe} and each uniform candidate")
+        shown = choice.errors * choice.weights[None, :, None]
+        what = "output-KL-weighted " if budget_weights == "kl" else ""
+        seg_table = Table(title=f"summed {what}held-aside served error at {budget_context} tokens (chunk "
+                                f"{budget_chunk}) and bits/element: the budget within {target_bpe} and each uniform "
+                                f"candidate")
         for col in ("sink + window", "budget", *(quant_name(q) for q in candidates)):
             seg_table.add_column(col, justify="right")
         for i, (s, w) in enumerate(segments):
             try:
-                _, best = budget.allocate_segments(choice.errors[i: i + 1], choice.bits[i: i + 1], target_bpe)
-                spent = f"{choice.errors[i, np.arange(len(best)), best].sum():.4f} at {choice.bits[i, best].mean():.3f}"
+                _, best = budget.allocate_segments(shown[i: i + 1], choice.bits[i: i + 1], target_bpe)
+                spent = f"{shown[i, np.arange(len(best)), best].sum():.4f} at {choice.bits[i, best].mean():.3f}"
             except ValueError:
                 spent = "-"
             mark = " (chosen)" if i == choice.chosen else ""
-            uniform = (f"{choice.errors[i, :, c].sum():.4f} at {choice.bits[i, c]:.3f}" for c in range(len(candidates)))
+            uniform = (f"{shown[i, :, c].sum():.4f} at {choice.bits[i, c]:.3f}" for c in range(len(candidates)))
             seg_table.add_row(f"{s} + {w}{mark}", spent, *uniform)
         console.print(seg_table)
     at_edge = int(np.sum(result.clip_k <= grid[0]) + np.sum(result.clip_v <= grid[0])) if clips == "fit" else 0
@@ -440,11 +518,17 @@ def calibrate(
     rows = [timing]
     if target_bpe is not None:
         rows.append({**setting, "variant": "budget", "target_bpe": target_bpe, "context": budget_context,
-                     "chunk": budget_chunk, "heldout_sequences": budget_windows,
+                     "chunk": budget_chunk, "heldout_sequences": budget_windows, "heldout_tokens": heldout_tokens,
+                     "rotation_k": rotation_k, "rotation_v": rotation_v, "clips": clips, "clip_min": clip_min,
+                     "measured_in": None if budget_measured is None else str(budget_measured),
                      "bpe": float(choice.bits[choice.chosen, picked].mean()),
                      "candidates": [dataclasses.asdict(q) for q in candidates],
                      "segments": [list(x) for x in segments], "candidate_bpe": choice.bits.tolist(),
-                     "layer_errors": choice.errors.tolist(), "picked": picked.tolist()})
+                     "layer_errors": choice.errors.tolist(), "picked": picked.tolist(),
+                     "weights": budget_weights, "layer_weights": choice.weights.tolist(),
+                     **({} if layer_kl is None else {
+                         "kl_context": budget_kl_context, "kl_sequences": budget_kl_windows,
+                         "layer_kl": layer_kl[0].tolist(), "layer_kl_error": layer_kl[1].tolist()})})
     if time_forward:
         calib_rows = windows(ids[:tokens], seq_len)
         jax.block_until_ready(_forward(decoder, jnp.asarray(calib_rows[:1])))  # compile

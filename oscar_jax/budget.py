@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +157,38 @@ def _segment_sums(q, k, v, k_hat, v_hat, pos, segments, chunk, scale):
     return jnp.stack(errs), jnp.sum(o * o)
 
 
+@functools.partial(jax.jit, static_argnames=("sink", "window", "chunk", "scale", "block"))
+def served_attention(q, k, v, k_hat, v_hat, *, sink: int, window: int, chunk: int, scale: float, block: int = 512):
+    """Every query's attention output as the served cache gives it, one sequence: q [T, Hq, D];
+    k, v, k_hat, v_hat [T, Hkv, D] -> (o exact, ô served) float32 [T, Hq, D] each. Query p
+    sees keys < sink and > its chunk's last position - window exact (k, v), the others as
+    (k_hat, v_hat); queries are taken `block` at a time ([Hq, block, T] scores)."""
+    t, hkv, d = k.shape
+    hq = q.shape[1]
+    nb = -(-t // block)
+    qb = jnp.pad(q, ((0, nb * block - t), (0, 0), (0, 0))).reshape(nb, block, hkv, hq // hkv, d)
+    hi = jax.lax.Precision.HIGHEST
+    keys = jnp.arange(t)[None, :]
+
+    def one(args):
+        qg, p0 = args  # [block, Hkv, g, D], first position
+        pos = p0 + jnp.arange(block)
+        s = jnp.einsum("nhgd,thd->hgnt", qg, k, precision=hi) * scale
+        s_hat = jnp.einsum("nhgd,thd->hgnt", qg, k_hat, precision=hi) * scale
+        causal = keys <= pos[:, None]
+        last = jnp.minimum((pos // chunk + 1) * chunk - 1, t - 1)[:, None]
+        exact = (keys < sink) | (keys > last - window)
+        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+        p_hat = jax.nn.softmax(jnp.where(causal, jnp.where(exact, s, s_hat), -jnp.inf), axis=-1)
+        o = jnp.einsum("hgnt,thd->nhgd", p, v, precision=hi)
+        o_hat = (jnp.einsum("hgnt,thd->nhgd", jnp.where(exact, p_hat, 0.0), v, precision=hi)
+                 + jnp.einsum("hgnt,thd->nhgd", jnp.where(exact, 0.0, p_hat), v_hat, precision=hi))
+        return o, o_hat
+
+    o, o_hat = jax.lax.map(one, (qb, jnp.arange(nb) * block))
+    return tuple(x.reshape(nb * block, hq, d)[:t] for x in (o, o_hat))
+
+
 def context_errors(held, calibrations: Sequence[cal.Calibration], segments: Sequence[tuple[int, int]], *,
                    chunk: int = 1, queries: int = 256, softmax_scale: float | None = None) -> np.ndarray:
     """Relative served attention-output error Σ |o - ô|² / Σ |o|² of every candidate calibration
@@ -250,7 +282,8 @@ class BudgetChoice:
     """A bit budget's outcome: calibration (each layer's rotations, clips and quantiser);
     segment: the (sink, window) it is served with; errors [S, L, C], bits [S, C]: the measured
     error and bits per element of every (segment, layer, candidate); chosen: the segment's
-    index; picked: int [L] each layer's candidate."""
+    index; picked: int [L] each layer's candidate; weights [L]: what each layer's errors were
+    multiplied by before the knapsack (ones: the errors as measured)."""
 
     calibration: cal.Calibration
     segment: tuple[int, int]
@@ -258,18 +291,22 @@ class BudgetChoice:
     bits: np.ndarray
     chosen: int
     picked: np.ndarray
+    weights: np.ndarray
 
 
 def calibrate_within(stats: cal.Statistics, heldout, context_held, rot_k, rot_v, candidates: Sequence[QuantConfig],
                      target: float, segments: Sequence[tuple[int, int]], clips: cal.ClipMode = "fit",
                      grid=cal.CLIP_GRID, softmax_scale: float | None = None, *, chunk: int = 1, queries: int = 256,
-                     center_keys: bool = False) -> BudgetChoice:
+                     center_keys: bool = False,
+                     weigh: Callable[[cal.Calibration], np.ndarray] | None = None) -> BudgetChoice:
     """A calibration within `target` bits/element: every candidate quantiser calibrated
     (`calibrate.calibrate` on `stats`, clips fitted on `heldout`), its served attention-output
     error per layer with every (sink, window) of `segments` measured on `context_held`
     ((q, k, v) [L, B, T, H, D]: sequences of the T-token context the bits are counted at,
     text neither the statistics nor the clips saw; `context_errors`), and the segment and
-    per-layer candidates of least summed error (`allocate_segments`) joined by `select`."""
+    per-layer candidates of least summed error (`allocate_segments`) joined by `select`.
+    weigh: given the first candidate's calibration, each layer's weight [L] >= 0 (e.g.
+    `output_weights`): the knapsack then minimises Σ_l weight[l] · error[s, l, c_l]."""
     head_dim = stats.query_cov.shape[-1]
     context = context_held[1].shape[2]
     bits = np.stack([candidate_bits(candidates, head_dim=head_dim, sink=s, window=w, context=context)
@@ -279,5 +316,34 @@ def calibrate_within(stats: cal.Statistics, heldout, context_held, rot_k, rot_v,
                     for q in candidates]
     errors = context_errors(context_held, calibrations, segments, chunk=chunk, queries=queries,
                             softmax_scale=softmax_scale)
-    chosen, picked = allocate_segments(errors, bits, target)
-    return BudgetChoice(select(calibrations, picked), tuple(segments[chosen]), errors, bits, chosen, picked)
+    weights = np.ones(errors.shape[1]) if weigh is None else weigh(calibrations[0])
+    return choose(calibrations, segments, errors, bits, weights, target)
+
+
+def choose(calibrations: Sequence[cal.Calibration], segments: Sequence[tuple[int, int]], errors: np.ndarray,
+           bits: np.ndarray, weights: np.ndarray, target: float) -> BudgetChoice:
+    """The segment and per-layer candidates of least Σ_l weights[l] · errors[s, l, c_l] within
+    `target` (`allocate_segments`), joined by `select`. calibrations: the C candidates' (each
+    [L] layers); errors [S, L, C], bits [S, C]: as measured for them (`context_errors`,
+    `candidate_bits`); weights [L] >= 0."""
+    errors, bits = np.asarray(errors, np.float64), np.asarray(bits, np.float64)
+    weights = np.asarray(weights, np.float64)
+    layers = calibrations[0].clip_k.shape[0]
+    if errors.shape != (len(segments), layers, len(calibrations)) or bits.shape != (len(segments), len(calibrations)):
+        raise ValueError(f"errors.shape={errors.shape}, bits.shape={bits.shape}: expected [S={len(segments)}, "
+                         f"L={layers}, C={len(calibrations)}] and [S, C]")
+    if weights.shape != (layers,) or not (np.isfinite(weights).all() and (weights >= 0).all()):
+        raise ValueError(f"weights={weights}: expected [L={layers}] finite weights >= 0")
+    chosen, picked = allocate_segments(errors * weights[None, :, None], bits, target)
+    return BudgetChoice(select(calibrations, picked), tuple(segments[chosen]), errors, bits, chosen, picked, weights)
+
+
+def output_weights(kl: np.ndarray, err: np.ndarray) -> np.ndarray:
+    """Each layer's cost to the model's output per unit of its attention-output error:
+    kl [L] (the output KL against full precision when only that layer is served quantised),
+    err [L] (that layer's relative served attention-output error in the same run) -> kl / err
+    [L] (0 where err is 0: a layer its quantiser leaves exact costs nothing)."""
+    kl, err = np.asarray(kl, np.float64), np.asarray(err, np.float64)
+    if kl.shape != err.shape or kl.ndim != 1 or (err < 0).any() or not np.isfinite(kl).all():
+        raise ValueError(f"kl.shape={kl.shape}, err.shape={err.shape}: expected equal [L], err >= 0, kl finite")
+    return np.where(err > 0, np.maximum(kl, 0.0) / np.where(err > 0, err, 1.0), 0.0)

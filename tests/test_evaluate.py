@@ -221,3 +221,54 @@ def test_calibrate_cli_spends_a_bit_budget(tiny, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     oscar = results.read(out)["rows"][0]
     assert oscar["bpe"] == pytest.approx(row["bpe"]) and oscar["bpe"] <= 5.3 and np.isfinite(oscar["ppl"])
+
+
+def test_calibrate_cli_weighs_layers_by_output_kl_and_retargets(tiny, tmp_path, monkeypatch):
+    """--budget-weights kl: the recorded weights are the layers' KL per unit of error, the
+    choice is the least weighted error within the target (brute force); --budget-measured
+    re-targets from that record without measuring again (the same choice as brute force at
+    the new target) and refuses a record of other settings."""
+    import itertools
+
+    from typer.testing import CliRunner
+
+    import oscar_jax.models.calibration  # noqa: F401  (registers `oscar calibrate`)
+    from oscar_jax import budget
+    from oscar_jax.models.cli import app
+
+    text = _cli_text(tiny, tmp_path, monkeypatch, 6, 1800)
+    common = ["calibrate", "--model", TINY, "--text", str(text), "--tokens", "512", "--heldout-tokens", "256",
+              "--seq-len", "128", "--sink", "8", "--window", "32", "--budget-candidates", "2,2:8,4",
+              "--budget-context", "400", "--budget-segments", "8+32,4+16", "--budget-chunk", "16",
+              "--budget-weights", "kl", "--budget-kl-context", "120"]
+
+    def run(target, name, *extra):
+        report = tmp_path / f"{name}.json"
+        result = CliRunner().invoke(app, [*common, "--target-bpe", target, *extra, "--json", str(report),
+                                          "--out", str(tmp_path / name)])
+        return result, report
+
+    def check_optimal(row, target):
+        errors, bits = np.array(row["layer_errors"]), np.array(row["candidate_bpe"])
+        weights = np.array(row["layer_weights"])
+        rows = np.arange(errors.shape[1])
+        total = lambda s, c: (weights * errors[s, rows, list(c)]).sum()
+        best = min(((s, c) for s in range(2) for c in itertools.product(range(3), repeat=errors.shape[1])
+                    if bits[s, list(c)].mean() <= target), key=lambda sc: total(*sc))
+        chosen = [i for i, seg in enumerate(row["segments"]) if seg == [row["sink"], row["window"]]]
+        assert total(*best) == pytest.approx(total(chosen[0], row["picked"]), rel=1e-12)
+
+    result, first = run("5.3", "a")
+    assert result.exit_code == 0, result.output
+    row = next(r for r in results.read(first)["rows"] if r.get("variant") == "budget")
+    np.testing.assert_allclose(row["layer_weights"], budget.output_weights(row["layer_kl"], row["layer_kl_error"]))
+    assert min(row["layer_kl"]) > 0 and row["weights"] == "kl" and row["measured_in"] is None
+    check_optimal(row, 5.3)
+    result, second = run("4.3", "b", "--budget-measured", str(first))
+    assert result.exit_code == 0, result.output
+    again = next(r for r in results.read(second)["rows"] if r.get("variant") == "budget")
+    assert again["layer_errors"] == row["layer_errors"] and again["layer_weights"] == row["layer_weights"]
+    assert again["measured_in"] == str(first) and again["bpe"] <= 4.3
+    check_optimal(again, 4.3)
+    result, _ = run("4.3", "c", "--budget-measured", str(first), "--budget-chunk", "8")
+    assert result.exit_code != 0 and "--budget-measured" in result.output and "chunk" in result.output
