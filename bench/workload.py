@@ -16,14 +16,14 @@ weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: 
 slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
 Both modes prefill in chunks of a page, `--chunks-per-step` chunks between two decode steps,
 `--max-prefills` prompts at once, so on and off differ by the cache only (`--whole-prompts`:
-runs without the prefix cache prefill each prompt in one pass, padded to a power of two). `Engine.warm_up`
-runs first, so no timed step compiles (the record counts any that do). SIGTERM stops the run
-in progress and writes what finished, marked incomplete. Recorded per run: requests/s and output
-tokens/s end to end (first arrival to last finish), decode-phase output tokens/s (tokens of
-the decode steps over their wall time, prefill excluded), TTFT and TPOT p50/p99 (TTFT from
-the arrival), prefill tokens computed and restored from the prefix cache, the share of the
-shared-prefix tokens the cache restored, preemptions, and pages in use over time. JSON and
-a PNG of pages in use beside it.
+runs without the prefix cache prefill each prompt in one pass, padded to a power of two).
+`Engine.warm_up` runs first, so no timed step compiles (the record counts any that do).
+SIGTERM stops the run in progress and writes what finished, marked incomplete. Recorded per
+run: requests/s and output tokens/s end to end (first arrival to last finish), decode-phase
+output tokens/s (tokens of the decode steps over their wall time, prefill excluded), TTFT
+and TPOT p50/p99 (TTFT from the arrival), prefill tokens computed and restored from the
+prefix cache, the share of the shared-prefix tokens the cache restored, preemptions, and
+pages in use over time. JSON and a PNG of pages in use beside it.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from oscar_jax.models.config import ModelConfig  # noqa: E402
 from oscar_jax.models.decoder import Decoder  # noqa: E402
 from oscar_jax.models.serving import Engine, Request  # noqa: E402
 
+STOP = threading.Event()  # SIGTERM sets it: the run in progress stops and is recorded as incomplete
 TINY = ModelConfig(family="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=32, rms_eps=1e-6, rope_theta=1e4, layer_types=("full_attention",) * 2)
-STOP = threading.Event()  # SIGTERM sets it: the run in progress stops and is recorded as incomplete
 # The tiny model's OSCAR cache and pages, scaled down with it: sink 4, window 8, pages of 16 tokens.
 TINY_OSCAR = kv_policy.QuantPolicy("oscar", kv_policy.QuantConfig(bits=2), 4, 8, clip_k=0.96, clip_v=0.92)
 

@@ -224,10 +224,11 @@ def _check_pair(rot_k: str, rot_v: str) -> None:
 def _learn_options(rotation_k: str, rotation_v: str, seq_len: int, sink: int, window: int) -> None:
     """`cli.fail` on learned-rotation settings that cannot train: learned K and V of different
     per-head settings, or windows with no quantised token (--seq-len <= --sink + --window)."""
-    learned = [s for s in map(cal.RotationSpec.parse, (rotation_k, rotation_v)) if s.kind == "learned"]
-    if len({s.per_head for s in learned}) > 1:
-        cli.fail(f"--rotation-k {rotation_k!r} --rotation-v {rotation_v!r}: learned K and V must both be "
-                 f"per head (learned/head) or both per layer")
+    try:
+        _check_pair(rotation_k, rotation_v)
+    except ValueError as e:
+        cli.fail(f"--rotation-k {rotation_k!r} --rotation-v {rotation_v!r}: {e}")
+    learned = any(cal.RotationSpec.parse(r).kind == "learned" for r in (rotation_k, rotation_v))
     if learned and seq_len <= sink + window:
         cli.fail(f"--seq-len {seq_len}: learned rotations train on windows longer than --sink + --window = "
                  f"{sink + window} (their quantised tokens)")

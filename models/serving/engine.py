@@ -123,7 +123,7 @@ class Engine:
         self.buckets = tuple(t for t in powers if t < self.capacity) + (self.capacity,)  # prefill lengths
         self._prefix_cache_bytes = prefix_cache_bytes if prefix_cache else None
         self._empty_parts: dict[int, kv_policy.KVState] = {}  # prefill rows -> an empty one-row state
-        self.state = None
+        self.state = None  # `_reset` allocates it
         self._reset()
         self._compiles_at_start = _COMPILES[0]
 
@@ -150,10 +150,11 @@ class Engine:
         self.decode_tokens = 0
 
     def warm_up(self) -> int:
-        """Compile every program serving runs (the decode step, each prefill head bucket, the
-        extend chunks, the insert, the swap copies; with the prefix cache its snapshots and
-        restores) by serving synthetic requests one at a time, then empty the engine again
-        (`_reset`). Returns the compilations that took. ValueError once a request was submitted."""
+        """Compile every program serving runs (the decode step, the prefill (unchunked: per
+        bucket), the extend chunks, the insert, the swap copies; with the prefix cache its
+        snapshots and restores) by serving synthetic requests one at a time, then empty the
+        engine again (`_reset`). Returns the compilations that took. ValueError once a request
+        was submitted."""
         if self.requests:
             raise ValueError("warm_up runs before the first request is submitted")
         before = self.compiles
@@ -330,8 +331,8 @@ class Engine:
                 temperature[seq.slot], top_p[seq.slot], seeds[seq.slot] = req.temperature, req.top_p, req.seed
                 counts[seq.slot] = len(self.results[seq.rid].tokens)
             nxt, self.state = programs.decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
-                                      jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds),
-                                      jnp.asarray(counts))
+                                              jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds),
+                                              jnp.asarray(counts))
             nxt = np.asarray(nxt)
             self.decode_seconds += time.perf_counter() - decode_start
             self.decode_tokens += len(running)
@@ -359,7 +360,7 @@ class Engine:
             saved = self._swapped.pop(seq.rid)
             if saved is not None:
                 self.state = programs.write_slot(self.state, saved, seq.slot, self._padded(seq.pages, -1),
-                                         jnp.asarray(self.tables))
+                                                 jnp.asarray(self.tables))
         elif event.kind == "admit":
             self._set_table(seq.slot, seq.pages)
             self._prefill(seq)
@@ -476,7 +477,7 @@ class Engine:
         its boundaries into the prefix cache; its first token from the last logits [1, V]."""
         req = self.requests[seq.rid]
         self.state = programs.insert(self.state, fill.part, jnp.int32(seq.slot), jnp.asarray(self.tables),
-                             jnp.int32(seq.shared))
+                                     jnp.int32(seq.shared))
         if seq.keys:
             self.scheduler.cache_prefix(seq, fill.taken)
         first = programs.sample(fill.logits, jnp.asarray([req.temperature], jnp.float32),
