@@ -98,10 +98,10 @@ def _heads(layer) -> tuple[int, int]:
 
 
 def filled_state(model: Decoder, policy, batch: int, context: int, max_len: int, seed: int = 0,
-                 mesh: jax.sharding.Mesh | None = None) -> kv_policy.KVState:
-    """A KV state of `batch` sequences holding `context` random tokens each (capacity max_len;
-    with `mesh`, in its shards there)."""
-    kv = gen.init_state(model, policy, batch, max_len, mesh=mesh)
+                 mesh: jax.sharding.Mesh | None = None, chunk: int = 1) -> kv_policy.KVState:
+    """A KV state of `batch` sequences holding `context` random tokens each (capacity max_len,
+    extend chunks of up to `chunk` tokens; with `mesh`, in its shards there)."""
+    kv = gen.init_state(model, policy, batch, max_len, chunk, mesh=mesh)
     keys = jax.random.split(jax.random.key(seed), len(kv.layers))
     layers = tuple(_fill_layer(full, key, context=context) for full, key in zip(kv.layers, keys))
     kv = kv_policy.KVState(layers, jnp.full((batch,), context, jnp.int32))
