@@ -231,11 +231,17 @@ def generate(
         if device_mesh is not None:  # the folded wo back in its shards
             decoder = parallel.shard(decoder, device_mesh)
     interrupted = []  # Ctrl-C ends the decoding at its next segment; the text so far is printed
+
+    def on_segment(filled: int) -> bool:  # after each compiled segment of the decode loop
+        if filled == 1 + gen.DECODE_SEGMENT:
+            console.print(f"decoding (Ctrl-C stops it within {gen.DECODE_SEGMENT} tokens)", style="dim")
+        return bool(interrupted)
+
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     try:
         out = gen.generate(decoder, policy, [ids], max_new_tokens=max_new_tokens,
                            sampling=gen.Sampling(temperature, top_p), key=jax.random.key(seed),
-                           on_segment=lambda i: bool(interrupted), mesh=device_mesh)
+                           on_segment=on_segment, mesh=device_mesh)
     finally:
         signal.signal(signal.SIGINT, previous)
     new = out.tokens[0]

@@ -63,7 +63,7 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(
         [*oscar, "serve", "--model", MODEL, "--kv", "oscar", "--port", str(port), "--slots", "8", "--max-len", "1024",
          "--max-queue", "64", "--max-body-bytes", "65536", "--page-tokens", "64", "--prefix-cache-dir",
-         str(prefix_dir)],
+         str(prefix_dir), "--no-warm-up"],  # programs compile on first use (warm-up: test_serving_engine)
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     srv = Server(f"http://127.0.0.1:{port}", proc, prefix_dir)
     deadline = time.monotonic() + 300

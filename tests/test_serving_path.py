@@ -238,10 +238,12 @@ def test_gpu_serving_path_matches_the_xla_path(name):
 
 
 def test_ctrl_c_stops_a_long_generation_promptly(tmp_path):
-    """`oscar generate` of 400K tokens (minutes of decoding on this tiny model) gets SIGINT a few
-    seconds into its decode loop and stops within seconds: the loop runs in segments, the host
-    sees the interrupt between them, prints the text so far and exits 130."""
+    """`oscar generate` of 400K tokens (minutes of decoding on this tiny model) gets SIGINT once
+    it says its decode loop runs and stops within seconds: the loop runs in
+    segments, the host sees the interrupt between them, prints the text so far and exits 130."""
     import json as json_lib
+    import os
+    import select
     import signal
     import subprocess
     import sys
@@ -252,13 +254,17 @@ def test_ctrl_c_stops_a_long_generation_promptly(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", "from oscar_jax.models.cli import main; main()", "generate", "--model", str(tmp_path),
          "--random-weights", "--kv", "bf16", "--prompt", "hi", "--max-new-tokens", "400000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        time.sleep(30)  # past start-up, compile and prefill: decoding
-        assert proc.poll() is None, proc.communicate()[0]
+        seen = b""  # the first decode segment has run
+        deadline = time.monotonic() + 120
+        while b"decoding" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 1)[0]:
+                seen += os.read(proc.stdout.fileno(), 4096)
+        assert proc.poll() is None and b"decoding" in seen, seen.decode()
         proc.send_signal(signal.SIGINT)
         t0 = time.monotonic()
-        output = proc.communicate(timeout=60)[0]
+        output = seen.decode() + proc.communicate(timeout=60)[0]
         stopped_in = time.monotonic() - t0
     finally:
         proc.kill()
