@@ -2,14 +2,17 @@
 (docs/serving.md §7): `python bench/parallel_plan.py` prints the markdown table.
 
 Layout as the code places it (oscar_jax.sharding's rules, models.parallel): weights split over
-`model` (q heads, MLP columns, LM-head vocabulary columns; wk/wv only where the KV heads divide,
-else replicated; embedding and norms replicated); the KV cache split by batch over `data`, by KV
-head over `model` (replicated where Hkv does not divide), and along tokens over `seq`.
+`model` (q heads, MLP columns, LM-head vocabulary columns; embedding and norms replicated); the
+KV cache split by batch over `data`, by KV head over `model`, and along tokens over `seq`. A
+`model` axis that divides Hkv gives each device Hkv/model KV heads; one that is a multiple of
+Hkv dividing the query heads repeats each KV head on model/Hkv devices, one KV head (its wk, wv
+columns and its cache) a device; any other replicates wk, wv and the cache on every device.
 
 Per device, with B sequences of T tokens, L layers, Hkv KV heads of D, b bits per element:
-  weights  = Σ_params bytes / (model where split, else 1)
-  KV       = 2 · L · B · Hkv · D · T · b / 8 / (data_B · model_kv · seq)
-             (data_B = data if it divides B, model_kv = model if it divides Hkv, else 1)
+  weights  = Σ_params bytes / (model where split, else 1); wk, wv: of Hkv / model_kv heads, at least one
+  KV       = 2 · L · B · max(Hkv, model_kv) · D · T · b / 8 / (data_B · model_kv · seq)
+             (data_B = data if it divides B; model_kv = model if it divides Hkv or is a multiple of
+             Hkv dividing the query heads, else 1; max(Hkv, model_kv): the heads repeated)
 Collective payload per decode step (bytes each device contributes; bf16 activations, f32 partials):
   tensor parallel: 2 all-reduces per layer of [B/data_B, 1, H] bf16  ->  2 · L · B/data_B · H · 2
      (a ring all-reduce moves 2 (M - 1) / M times the payload through each device's links)
@@ -59,39 +62,49 @@ def split(n: int, axis: int) -> int:
     return axis if n % axis == 0 else 1
 
 
+def model_kv(s: Shape, model: int) -> int:
+    """The factor `model` devices split attention by: model where it divides the KV heads or is a
+    multiple of them dividing the query heads (each KV head repeated on model / Hkv devices), else
+    1 (KV heads and query heads replicated)."""
+    repeated = model % s.kv_heads == 0 and s.heads % model == 0
+    return model if s.kv_heads % model == 0 or repeated else 1
+
+
 def weight_bytes(s: Shape, model: int, itemsize: int = 2) -> float:
     """bf16 weight bytes one device holds under tensor parallelism over `model` devices."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    tp_q, tp_kv, tp_mlp = split(s.heads, model), split(s.kv_heads, model), split(s.mlp, model)
-    per_layer = (2 * s.hidden * q / tp_q + 2 * s.hidden * kv / tp_kv + 3 * s.hidden * s.mlp / tp_mlp
-                 + 2 * s.hidden)  # wq + wo, wk + wv, gate/up/down, two norms
+    q = s.heads * s.head_dim
+    kv_heads = max(s.kv_heads, model_kv(s, model)) / model_kv(s, model)  # a device's (repeated) KV heads
+    per_layer = (2 * s.hidden * q / split(s.heads, model) + 2 * s.hidden * kv_heads * s.head_dim
+                 + 3 * s.hidden * s.mlp / split(s.mlp, model) + 2 * s.hidden)  # wq + wo, wk + wv, gate/up/down, norms
     head = s.hidden * s.vocab / split(s.vocab, model)
     return itemsize * (s.layers * per_layer + s.vocab * s.hidden + head + s.hidden)
 
 
 def kv_bytes(s: Shape, batch: int, tokens: int, bits: float, data: int, model: int, seq: int) -> float:
     """KV cache bytes one device holds."""
-    total = 2 * s.layers * batch * s.kv_heads * s.head_dim * tokens * bits / 8
-    return total / (split(batch, data) * split(s.kv_heads, model) * seq)
+    heads = max(s.kv_heads, model_kv(s, model))
+    total = 2 * s.layers * batch * heads * s.head_dim * tokens * bits / 8
+    return total / (split(batch, data) * model_kv(s, model) * seq)
 
 
 def collective_bytes(s: Shape, batch: int, data: int, model: int, seq: int) -> tuple[float, float]:
     """(tensor-parallel all-reduce payload, sequence-parallel all_gather payload) per device and step."""
     b = batch / split(batch, data)
     tp = 2 * s.layers * b * s.hidden * 2 if model > 1 else 0.0
-    sp = s.layers * b * s.heads / split(s.kv_heads, model) * (s.head_dim + 1) * 4 if seq > 1 else 0.0
+    sp = s.layers * b * s.heads / model_kv(s, model) * (s.head_dim + 1) * 4 if seq > 1 else 0.0
     return tp, sp
 
 
 def layout(s: Shape, system: System) -> tuple[int, int, int]:
     """(data, model, seq) for one sequence: tensor parallel over at least as many devices as there
-    are KV heads (each device reads 1/model of the weights a step), the remaining devices
-    splitting the history over `seq`; of those, the one holding the least per device with a 1M-token
-    OSCAR history. (Past Hkv the KV heads are replicated, so a larger `model` no longer shrinks the
-    cache: only `seq` does.)"""
+    are KV heads (each device reads 1/model of the weights a step) and at most as many as divide
+    the query heads and MLP columns (`parallel.check_model`), the remaining devices splitting the
+    history over `seq`; of those, the one holding the least per device with a 1M-token OSCAR
+    history. (Past Hkv each device holds one repeated KV head, so a larger `model` shrinks the
+    weights and the attention per device, and only `seq` shrinks the cache.)"""
     best = None
     model = min(s.kv_heads, system.devices)
-    while model <= system.devices:
+    while model <= system.devices and s.heads % model == 0 and s.mlp % model == 0:
         seq = system.devices // model
         held = weight_bytes(s, model) + kv_bytes(s, 1, 2 ** 20, OSCAR_BITS, 1, model, seq)
         if best is None or held < best[0]:

@@ -71,23 +71,33 @@ def fuse(cfg: ModelConfig, name: str, parts):
     """The `FUSED` parameter `name` from its parts (numpy or jax arrays [..., out_p], joined on
     the last axis). q/k/v: grouped by KV head, [..., Hkv, G + 2, D] flattened (KV head j's G
     query heads, its k, its v), so a split of the last axis into whole groups (tensor parallel)
-    keeps every query head with its KV head. gate/up: interleaved, [..., I, 2] flattened."""
+    keeps every query head with its KV head. Hkv is k's head count: cfg.num_kv_heads, or a
+    multiple of it where a mesh repeats each KV head (`qkv_groups`). gate/up: interleaved,
+    [..., I, 2] flattened."""
     xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
     if name == "w_gate_up":
         return xp.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
     q, k, v = parts
-    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    hkv, d = k.shape[-1] // cfg.head_dim, cfg.head_dim
     grouped = [x.reshape(*x.shape[:-1], hkv, -1, d) for x in (q, k, v)]
     return xp.concatenate(grouped, axis=-2).reshape(*q.shape[:-1], -1)
 
 
+def qkv_groups(cfg: ModelConfig, width: int) -> int:
+    """The KV-head groups of a fused q/k/v of `width` output features, (Hq + 2 Hkv) D: the
+    model's num_kv_heads, or more where tensor parallelism repeats each KV head on several
+    devices (`parallel.qkv_layout`; each group then holds fewer query heads)."""
+    return (width // cfg.head_dim - cfg.num_heads) // 2
+
+
 def unfuse(cfg: ModelConfig, name: str, x) -> tuple:
     """Inverse of `fuse`: x [..., out] -> its parts in `FUSED[name]` order (also splits a fused
-    matmul's outputs)."""
+    matmul's outputs; k and v have `qkv_groups` heads)."""
     if name == "w_gate_up":
         pairs = x.reshape(*x.shape[:-1], -1, 2)
         return pairs[..., 0], pairs[..., 1]
-    hkv, d, g = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    hkv, d = qkv_groups(cfg, x.shape[-1]), cfg.head_dim
+    g = cfg.num_heads // hkv
     grouped = x.reshape(*x.shape[:-1], hkv, g + 2, d)
     flat = lambda a: a.reshape(*x.shape[:-1], -1)
     return flat(grouped[..., :g, :]), flat(grouped[..., g, :]), flat(grouped[..., g + 1, :])
@@ -195,9 +205,9 @@ def causal_attention(q, k, v, lengths, *, softmax_scale: float, window: int | No
 
 def project_qkv(cfg: ModelConfig, kind: LayerType, w: dict, x: jax.Array, positions: jax.Array):
     """Pre-norm, q/k/v projections (+ bias, qk-norm) and RoPE: x [B, T, H], positions [B, T]
-    -> q [B, T, Hq, D], k, v [B, T, Hkv, D] (post-RoPE)."""
+    -> q [B, T, Hq, D], k, v [B, T, Hkv, D] (post-RoPE; Hkv: w_qkv's `qkv_groups`)."""
     b, t, _ = x.shape
-    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    d, hq, hkv = cfg.head_dim, cfg.num_heads, qkv_groups(cfg, w["w_qkv"].shape[-1])
     h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
     qkv = matmul(h, w["w_qkv"])
     if cfg.attention_bias:

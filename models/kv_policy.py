@@ -372,9 +372,9 @@ def check_fits(state: KVState, new_lengths: np.ndarray) -> None:
 
 def state_shardings(state: KVState, mesh: jax.sharding.Mesh, rules: dict[str, str] | None = None) -> KVState:
     """NamedSharding pytree for a KV state on `mesh` through `oscar_jax.sharding`'s rules: batch
-    -> "data", KV heads -> "model" (replicated where they do not divide), the OSCAR history's
-    tokens -> "seq"; dense/KIVI caches [B, T, Hkv, D] (and fp8 scales [B, Hkv]) split by batch
-    and KV heads only."""
+    -> "data", KV heads -> "model" (replicated where they do not divide; `init_on_mesh` makes a
+    state whose repeated KV heads divide where it can), the OSCAR history's tokens -> "seq";
+    dense/KIVI caches [B, T, Hkv, D] (and fp8 scales [B, Hkv]) split by batch and KV heads only."""
     axis = lambda name, size: sharding.mesh_axis(name, size, mesh, rules)
 
     def named(spec):
@@ -410,10 +410,28 @@ def seq_max_len(policy, cfg, batch: int, max_len: int, chunk: int, parts: int) -
         max_len = fitted
 
 
+def on_mesh(policy, cfg, mesh: jax.sharding.Mesh):
+    """(policy, cfg) as a KV state on `mesh` takes them: unchanged, or where the mesh repeats
+    each KV head on r devices (`sharding.kv_head_copies`: a `model` axis M a multiple of Hkv
+    dividing the query heads) cfg with M KV heads and an OSCAR policy's calibrated `LayerParams`
+    with head j // r on head j (`sharding.repeat_kv_heads`), as `parallel.qkv_layout` lays out
+    the model's q/k/v. Calibrations stay per original KV head; this happens on placement only."""
+    copies = sharding.kv_head_copies(cfg.num_kv_heads, cfg.num_heads, mesh)
+    if copies == 1:
+        return policy, cfg
+    if isinstance(policy, QuantPolicy) and policy.layer_params is not None:
+        params = policy.params(cfg)  # checks the artifact's shapes against the model's KV heads
+        policy = dataclasses.replace(policy, layer_params=sharding.repeat_kv_heads(params, copies))
+    return policy, dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * copies)
+
+
 def init_on_mesh(policy, cfg, batch: int, max_len: int, chunk: int, mesh: jax.sharding.Mesh) -> KVState:
     """`policy.init`'s state created in its shards on `mesh` (`state_shardings`; no device holds
-    the whole state first), its OSCAR layers appending and attending per device. Under a `seq`
-    axis the capacity is rounded up so that the histories split evenly (`seq_max_len`)."""
+    the whole state first), its OSCAR layers appending and attending per device. Where the mesh
+    repeats each KV head on several devices the state holds the repeated heads (`on_mesh`), one
+    a device. Under a `seq` axis the capacity is rounded up so that the histories split evenly
+    (`seq_max_len`)."""
+    policy, cfg = on_mesh(policy, cfg, mesh)
     max_len = seq_max_len(policy, cfg, batch, max_len, chunk, mesh.shape.get(sharding.DEFAULT_RULES["seq"], 1))
     make = lambda: policy.init(cfg, batch, max_len, chunk)
     state = jax.jit(make, out_shardings=state_shardings(jax.eval_shape(make), mesh))()

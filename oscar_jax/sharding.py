@@ -3,9 +3,11 @@
 Logical axes map to mesh axes through one rules table (`DEFAULT_RULES`): batch -> `data`,
 KV heads (and the query heads and MLP columns of a decoder's weights) -> `model`, the
 quantised history's tokens -> `seq`. A logical axis is replicated when its mesh axis is
-absent or does not divide it (SmolLM2's 3 KV heads on a 4-way model axis). The bf16 sink
-and recent ring are never split along tokens: under `seq` every device holds them
-(`oscar_jax.parallel`).
+absent or does not divide it (SmolLM2's 3 KV heads on a 4-way model axis). A `model` axis
+larger than the KV heads is met by repeating each KV head on several devices instead
+(`kv_head_copies`, `repeat_kv_heads`: what `oscar_jax.models.parallel` places on such a
+mesh), after which the repeated heads divide it. The bf16 sink and recent ring are never
+split along tokens: under `seq` every device holds them (`oscar_jax.parallel`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from oscar_jax.cache import LayerParams, OscarCache, RingCache
@@ -61,6 +64,44 @@ def mesh_axis(logical: str | None, count: int, mesh: Mesh, rules: dict[str, str]
     rules = DEFAULT_RULES if rules is None else rules
     m = rules.get(logical) if logical is not None else None
     return m if m is not None and m in mesh.shape and count % mesh.shape[m] == 0 else None
+
+
+def kv_head_copies(kv_heads: int, query_heads: int, mesh: Mesh, rules: dict[str, str] | None = None) -> int:
+    """On how many devices each of `kv_heads` KV heads (serving `query_heads` query heads) lies
+    when the rules' mesh axis for "kv_heads", of size m, splits them: m / kv_heads where m is a
+    larger multiple of kv_heads that divides query_heads (vLLM's layout: each KV head repeated on
+    m / kv_heads consecutive devices, each device one KV head and query_heads / m of its query
+    heads); else 1 (m divides kv_heads: whole KV heads per device; or the axis is absent, or
+    splits neither way: replicated, `mesh_axis`)."""
+    rules = DEFAULT_RULES if rules is None else rules
+    m = mesh.shape.get(rules.get("kv_heads"), 1)
+    if m > kv_heads and m % kv_heads == 0 and query_heads % m == 0:
+        return m // kv_heads
+    return 1
+
+
+def repeat_kv_heads(tree, copies: int):
+    """`tree` (a type of `partition_specs`, stacked or per layer) with each KV head repeated
+    `copies` times consecutively along every array's "kv_heads" axis (and a cache's spec saying
+    so): new head j is head j // copies. Attention is unchanged when query head h of G per KV
+    head keeps KV head h // (G / copies) (`kv_head_copies`)."""
+    logical = _LOGICAL.get(type(tree))
+    if logical is None:
+        raise TypeError(f"repeat_kv_heads: unsupported type {type(tree).__name__}")
+    if copies == 1:
+        return tree
+
+    def repeat(name, x):
+        axes = logical[name]
+        if "kv_heads" not in axes:
+            return x
+        return jnp.repeat(x, copies, axis=x.ndim - len(axes) + axes.index("kv_heads"))
+
+    fields = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree) if not f.metadata.get("static")}
+    fields = {k: None if v is None else repeat(k, v) for k, v in fields.items()}
+    if hasattr(tree, "spec"):
+        fields["spec"] = dataclasses.replace(tree.spec, kv_heads=tree.spec.kv_heads * copies)
+    return dataclasses.replace(tree, **fields)
 
 
 def spec(*axes: str | None) -> P:

@@ -1,6 +1,7 @@
 """The decoder on 8 simulated CPU devices (tests/conftest.py): tensor, data and sequence parallel
 prefill + decode give one device's logits, compile once, and hold the expected collectives;
-weights load straight into their shards; --mesh errors."""
+past the KV heads each device holds one repeated KV head; weights load straight into their
+shards; --mesh errors."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from flax import nnx
 from safetensors.numpy import load_file
 from jax.sharding import Mesh, PartitionSpec as P
 
-from oscar_jax import sharding
+from oscar_jax import cache as oc, sharding
 from oscar_jax.models import generate as gen, kv_policy, parallel
 from oscar_jax.models.config import ModelConfig
-from oscar_jax.models.decoder import Decoder, forward_logits, unfuse
+from oscar_jax.models.decoder import Decoder, fold_values, forward_logits
 from oscar_jax.models.safetensors_loader import load_hf
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny" / "llama3"
@@ -29,6 +30,14 @@ CFG = ModelConfig("llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                   layer_types=("full_attention",) * LAYERS, tie_embeddings=False)
 # sink 4 + window 8: the prompts' and the decoded tokens' history crosses slice boundaries under seq.
 POLICY = kv_policy.QuantPolicy("oscar-small", kv_policy.QuantConfig(bits=2), 4, 8, clip_k=0.96, clip_v=0.92)
+# Two KV heads of eight query heads: a `model` axis of 4 or 8 repeats each on 2 or 4 devices.
+CFG_HKV2 = dataclasses.replace(CFG, num_kv_heads=2)
+_RNG = np.random.default_rng(2)
+# Calibrated-style OSCAR parameters, different for every (layer, KV head): a head served with
+# another head's rotation or key shift would change the logits.
+OSCAR_HKV2 = kv_policy.oscar_policy(oc.LayerParams.create(
+    *(np.linalg.qr(_RNG.standard_normal((LAYERS, 2, 16, 16)))[0].astype(np.float32) for _ in range(2)), 0.96, 0.92,
+    num_layers=LAYERS, kv_heads=2, k_shift=_RNG.standard_normal((LAYERS, 2, 16)).astype(np.float32)), sink=4, window=8)
 PROMPTS = np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 40)).astype(np.int32)
 LENGTHS = np.array([40, 33, 21, 37], np.int32)
 MESHES = {"data2-model4": ((2, 4), ("data", "model")), "seq8": ((8,), ("seq",)),
@@ -40,14 +49,14 @@ def _mesh(name: str) -> Mesh:
     return Mesh(np.array(jax.devices()).reshape(shape), axes)
 
 
-def _run(model, mesh, tokens=None):
-    """Prefill the prompts, then STEPS decode steps fed `tokens` [STEPS, B] (None: greedy);
-    returns (logits [1 + STEPS, B, V], the tokens fed, the final state, decode_step's new compilations)."""
-    kv = gen.init_state(model, POLICY, len(LENGTHS), int(LENGTHS.max()) + STEPS + 1, mesh=mesh)
+def _run(model, mesh, tokens=None, policy=POLICY, steps=STEPS):
+    """Prefill the prompts, then `steps` decode steps fed `tokens` [steps, B] (None: greedy);
+    returns (logits [1 + steps, B, V], the tokens fed, the final state, decode_step's new compilations)."""
+    kv = gen.init_state(model, policy, len(LENGTHS), int(LENGTHS.max()) + steps + 1, mesh=mesh)
     logits, kv = gen.prefill(model, kv, PROMPTS, LENGTHS)
     out, fed = [np.asarray(logits)], []
     compiled = gen.decode_step._cache_size()
-    for i in range(STEPS):
+    for i in range(steps):
         tok = jnp.argmax(logits, -1).astype(jnp.int32) if tokens is None else jnp.asarray(tokens[i])
         fed.append(np.asarray(tok))
         _, logits, kv = gen.decode_step(model, kv, tok, jax.random.key(i))
@@ -102,6 +111,87 @@ def test_decoder_on_a_mesh_gives_one_devices_logits(model, one_device, mesh_name
     assert _collectives(hlo, "all-gather", "shard_map/all_gather") == (LAYERS if seq > 1 else 0)
 
 
+REPEATED = {  # mesh devices and axes, KV policy, fold R_V into wo after sharding (as `oscar generate --mesh` does)
+    "model4-oscar": ((4,), ("model",), "oscar", False),
+    "model8-oscar-folded": ((8,), ("model",), "oscar", True),
+    "data2-model4-oscar": ((2, 4), ("data", "model"), "oscar", False),
+    "data2-model4-bf16": ((2, 4), ("data", "model"), "bf16", False),
+    "model8-fp32": ((8,), ("model",), "fp32", False),
+}
+REPEATED_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def hkv2_one_device():
+    """The two-KV-head model and its one-device (logits, tokens) per KV policy."""
+    model = Decoder(CFG_HKV2, rngs=nnx.Rngs(1))
+    policies = {"oscar": OSCAR_HKV2, "bf16": kv_policy.make_policy("bf16"), "fp32": kv_policy.make_policy("fp32")}
+    runs = {name: _run(model, None, policy=p, steps=REPEATED_STEPS)[:2] for name, p in policies.items()}
+    return model, policies, runs
+
+
+@pytest.mark.parametrize("case", list(REPEATED))
+def test_kv_heads_repeated_past_hkv_give_one_devices_logits(hkv2_one_device, case):
+    """Hkv = 2 on model = 4 or 8: each KV head repeated on model / 2 devices, every device one KV
+    head (its cache slice and OSCAR parameters) beside its query heads; prefill + decode within
+    float tolerance of one device, one compilation, w_qkv split (1/model of the repeated layout
+    per device, not replicated), two all-reduces per layer."""
+    model, policies, runs = hkv2_one_device
+    shape, axes, kv_name, fold = REPEATED[case]
+    mesh = Mesh(np.array(jax.devices()[:np.prod(shape)]).reshape(shape), axes)
+    m, hq, d = mesh.shape["model"], CFG_HKV2.num_heads, CFG_HKV2.head_dim
+    assert parallel.kv_groups(CFG_HKV2, mesh) == m
+    sharded, policy = parallel.shard(model, mesh), policies[kv_name]
+    if fold:
+        sharded, policy = fold_values(sharded, policy)
+        sharded = parallel.shard(sharded, mesh)
+    want, tokens = runs[kv_name]
+    got, _, kv, compiled = _run(sharded, mesh, tokens, policy=policy, steps=REPEATED_STEPS)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert compiled == 1
+
+    w_qkv = sharded.layers[0].w_qkv[...]
+    assert w_qkv.shape == (CFG_HKV2.hidden_size, (hq + 2 * m) * d)  # m groups of hq / m queries, k, v
+    assert {s.data.shape for s in w_qkv.addressable_shards} == {(w_qkv.shape[0], w_qkv.shape[1] // m)}
+    layer, batch = kv.layers[0], len(LENGTHS) // mesh.shape.get("data", 1)
+    if kv_name == "oscar":  # (array, its batch axis, its KV-head axis)
+        held = [(layer.cache.hist_codes_k, 0, 1), (layer.cache.sink_v, 0, 1), (layer.cache.recent_k, 0, 1),
+                (layer.params.rot_k, None, 0), (layer.params.k_shift, None, 0)]
+        # head j holds the policy's head j // (m / 2)
+        np.testing.assert_array_equal(np.asarray(layer.params.rot_k),
+                                      np.repeat(np.asarray(OSCAR_HKV2.layer_params.rot_k[0]), m // 2, axis=0))
+    else:
+        held = [(layer.k, 0, 2), (layer.v, 0, 2)]
+    for x, batch_axis, head_axis in held:
+        assert x.shape[head_axis] == m
+        for s in x.addressable_shards:
+            assert s.data.shape[head_axis] == 1 and (batch_axis is None or s.data.shape[batch_axis] == batch)
+
+    hlo = gen.decode_step.lower(sharded, kv, jnp.zeros(len(LENGTHS), jnp.int32),
+                                jax.random.key(0)).compile().as_text()
+    assert _collectives(hlo, "all-reduce", "_step_layer") == 2 * LAYERS
+    if kv_name == "oscar" or "data" not in axes:  # XLA partitions a dense cache's scatter over `data` with
+        assert _collectives(hlo, "all-gather", "_step_layer") == 0  # gathers, repeated KV heads or not
+
+
+def test_kv_groups_repeat_split_or_replicate():
+    """The KV-head layout per mesh: split where `model` divides Hkv, repeated where it is a multiple
+    of Hkv dividing the query heads, else replicated (w_qkv whole on every device); `qkv_layout`
+    refuses a group count that is neither."""
+    mesh = lambda m: Mesh(np.array(jax.devices()[:m]), ("model",))
+    assert [parallel.kv_groups(CFG_HKV2, mesh(m)) for m in (1, 2, 4, 8)] == [2, 2, 4, 8]
+    assert parallel.kv_groups(CFG, mesh(2)) == 4 and parallel.kv_groups(CFG, mesh(8)) == 8
+    smol = dataclasses.replace(CFG, num_heads=12, num_kv_heads=3, intermediate_size=96)  # 3 KV heads on 4
+    assert parallel.kv_groups(smol, mesh(4)) == 3
+    assert parallel.param_spec(smol, mesh(4), "w_qkv", 2) == P()
+    assert parallel.param_spec(CFG_HKV2, mesh(8), "w_qkv", 2) == P(None, "model")
+    w = np.arange(64 * (8 + 2 * 2) * 16, dtype=np.float32).reshape(64, -1)
+    with pytest.raises(ValueError, match="groups=3; expected a multiple of num_kv_heads=2"):
+        parallel.qkv_layout(CFG_HKV2, w, 3)
+    back = parallel.qkv_layout(CFG_HKV2, parallel.qkv_layout(CFG_HKV2, w, 8), 2)  # repeat, then undo
+    np.testing.assert_array_equal(back, w)
+
+
 def test_decode_loop_on_a_mesh_compiles_once_and_decodes_like_one_device(model, one_device):
     """The compiled decode loop (segments of 4 steps) on model 2 x seq 4: the one-device greedy
     tokens, one program for every segment."""
@@ -136,44 +226,54 @@ def test_chunk_longer_than_the_window_on_a_mesh(model, mesh_name):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tp", [4, 2])
-def test_weights_load_straight_into_their_shards(tp):
-    """An HF checkpoint (2 KV heads) on data x model: w_qkv column-parallel in whole KV-head groups
-    where the KV heads divide over `model` (each device's query heads beside their KV head, as in
-    the checkpoint), else replicated; w_gate_up column-parallel, wo and w_down row-parallel, the LM
-    head over vocab columns, norms replicated; each device holds its slice only; the forward
-    equals the unsharded model's."""
+@pytest.mark.parametrize("family, tp", [("llama3", 4), ("llama3", 2), ("qwen2", 4)])
+def test_weights_load_straight_into_their_shards(family, tp):
+    """An HF checkpoint (2 KV heads of 4 query heads) on data x model: w_qkv (and Qwen2's b_qkv)
+    column-parallel in KV-head groups, one a device (model=2: each KV head with its 2 query heads,
+    as in the checkpoint; model=4: each KV head repeated on 2 devices, each with 1 of its query
+    heads); w_gate_up column-parallel, wo and w_down row-parallel, the LM head over vocab columns,
+    norms replicated; each device holds its slice only; the forward equals the unsharded model's."""
     mesh = Mesh(np.array(jax.devices()).reshape(8 // tp, tp), ("data", "model"))
-    model, sharded = load_hf(HF_LLAMA), load_hf(HF_LLAMA, sharding=mesh)
+    path = HF_LLAMA.parent / family
+    model, sharded = load_hf(path), load_hf(path, sharding=mesh)
     cfg, layer = model.cfg, sharded.layers[0]
-    groups = cfg.num_kv_heads % tp == 0
     specs = {name: getattr(layer, name)[...].sharding.spec for name in ("w_qkv", "wo", "w_gate_up", "w_down",
                                                                         "attn_norm")}
-    assert specs == {"w_qkv": P(None, "model") if groups else P(), "wo": P("model"),
-                     "w_gate_up": P(None, "model"), "w_down": P("model"), "attn_norm": P()}
+    assert specs == {"w_qkv": P(None, "model"), "wo": P("model"), "w_gate_up": P(None, "model"), "w_down": P("model"),
+                     "attn_norm": P()}
     assert sharded.lm_head[...].sharding.spec == P(None, "model")
     assert sharded.embed[...].sharding.spec == P()
     wo = layer.wo[...]
     assert {s.data.shape for s in wo.addressable_shards} == {(wo.shape[0] // tp, wo.shape[1])}
-    ckpt = load_file(HF_LLAMA / "model.safetensors")
-    want = [ckpt[f"model.layers.0.self_attn.{p}_proj.weight"].T for p in "qkv"]  # [H, heads * D]
-    split = tp if groups else 1
-    local = dataclasses.replace(cfg, num_heads=cfg.num_heads // split, num_kv_heads=cfg.num_kv_heads // split)
-    for shard in layer.w_qkv[...].addressable_shards:
-        m = (shard.index[1].start or 0) // shard.data.shape[1]
-        for got, full in zip(unfuse(local, "w_qkv", np.asarray(shard.data)), want):
-            width = full.shape[1] // split
-            np.testing.assert_array_equal(got, full[:, m * width:(m + 1) * width])
+    ckpt = load_file(path / "model.safetensors")
+    d, g = cfg.head_dim, cfg.num_heads // tp  # query heads a device
+    fused = [("w_qkv", "weight")] + [("b_qkv", "bias")] * cfg.attention_bias
+    assert [name for name, _ in fused] == (["w_qkv", "b_qkv"] if family == "qwen2" else ["w_qkv"])
+    for name, kind in fused:
+        wq, wk, wv = (ckpt[f"model.layers.0.self_attn.{p}_proj.{kind}"].T for p in "qkv")  # [(H,) heads * D]
+        for shard in getattr(layer, name)[...].addressable_shards:
+            assert shard.data.shape[-1] == (g + 2) * d
+            j = (shard.index[-1].start or 0) // shard.data.shape[-1]  # the device's group, KV head j // (tp / Hkv)
+            kv = j * cfg.num_kv_heads // tp
+            grouped = np.asarray(shard.data).reshape(*shard.data.shape[:-1], g + 2, d)
+            np.testing.assert_array_equal(grouped[..., :g, :].reshape(*wq.shape[:-1], -1),
+                                          wq[..., j * g * d:(j + 1) * g * d])
+            np.testing.assert_array_equal(grouped[..., g, :], wk[..., kv * d:(kv + 1) * d])
+            np.testing.assert_array_equal(grouped[..., g + 1, :], wv[..., kv * d:(kv + 1) * d])
     tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
     np.testing.assert_allclose(np.asarray(jax.jit(forward_logits)(sharded, tokens)),
                                np.asarray(jax.jit(forward_logits)(model, tokens)), rtol=1e-5, atol=1e-5)
 
 
-def test_random_weights_are_created_in_their_shards():
+@pytest.mark.parametrize("cfg", [CFG, CFG_HKV2], ids=["hkv4", "hkv2"])
+def test_random_weights_are_created_in_their_shards(cfg):
+    """The one-device model's weights, made in their shards: 4 KV heads split over model=4, or 2
+    each repeated on 2 devices (the one-device model placed by `parallel.shard`)."""
     mesh = _mesh("data2-model4")
-    sharded, plain = parallel.init_decoder(CFG, mesh, seed=3), Decoder(CFG, rngs=nnx.Rngs(3))
+    sharded, plain = parallel.init_decoder(cfg, mesh, seed=3), parallel.shard(Decoder(cfg, rngs=nnx.Rngs(3)), mesh)
     assert sharded.layers[1].w_down[...].sharding.spec == P("model")
     assert sharded.layers[1].w_qkv[...].sharding.spec == P(None, "model")  # 4 KV-head groups over model=4
+    assert sharded.layers[1].w_qkv[...].shape == (cfg.hidden_size, (cfg.num_heads + 2 * 4) * cfg.head_dim)
     for a, b in zip(jax.tree.leaves(nnx.state(sharded)), jax.tree.leaves(nnx.state(plain))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)  # jit vs eager sampling
 
@@ -216,7 +316,9 @@ def test_cli_generate_mesh():
 
 def test_parallel_plan_formulas_and_the_documented_table():
     """bench/parallel_plan.py: the KV sizes of the 8B and 70B shapes (1M tokens: 8B 137 GB in bf16,
-    19.6 GB at 2.28 bits), its collective payloads by formula, and docs/serving.md holding its table."""
+    19.6 GB at 2.28 bits; past Hkv one repeated KV head a device, replicated where `model` neither
+    divides Hkv nor is a multiple of it), its weights and collective payloads by formula, and
+    docs/serving.md holding its table."""
     import importlib.util
     import sys
 
@@ -228,7 +330,13 @@ def test_parallel_plan_formulas_and_the_documented_table():
     assert plan.kv_bytes(plan.LLAMA3_8B, 1, m, 16, 1, 1, 1) == 2 * 32 * 8 * 128 * m * 2
     assert round(plan.kv_bytes(plan.LLAMA3_8B, 1, m, plan.OSCAR_BITS, 1, 1, 1) / 1e9, 1) == 19.6
     assert plan.kv_bytes(plan.LLAMA3_70B, 4, m, 16, 2, 8, 4) == 2 * 80 * 4 * 8 * 128 * m * 2 / 64
-    assert plan.kv_bytes(plan.LLAMA3_70B, 1, m, 16, 1, 16, 4) == 2 * 80 * 8 * 128 * m * 2 / 4  # 8 heads on 16: whole
+    assert plan.kv_bytes(plan.LLAMA3_70B, 1, m, 16, 1, 16, 4) == 2 * 80 * 1 * 128 * m * 2 / 4  # 8 heads on 16: one
+    three = dataclasses.replace(plan.LLAMA3_8B, kv_heads=3, heads=12)  # 3 KV heads on 4: replicated
+    assert plan.kv_bytes(three, 1, m, 16, 1, 4, 1) == 2 * 32 * 3 * 128 * m * 2
     assert plan.collective_bytes(plan.LLAMA3_8B, 8, 2, 4, 2) == (2 * 32 * 4 * 4096 * 2, 32 * 4 * 8 * 129 * 4)
+    assert plan.collective_bytes(plan.LLAMA3_70B, 1, 1, 32, 8)[1] == 80 * 2 * 129 * 4  # 2 query heads a device
     assert round(plan.weight_bytes(plan.LLAMA3_8B, 1) / 1e9, 2) == 16.06
+    h, v = 8192, plan.LLAMA3_70B.vocab  # 70B on model=16: wk, wv of one (repeated) KV head a device
+    layer = 2 * h * 8192 / 16 + 2 * h * 128 + 3 * h * 28672 / 16 + 2 * h
+    assert plan.weight_bytes(plan.LLAMA3_70B, 16) == 2 * (80 * layer + v * h + h * v / 16 + h)
     assert plan.table() in (Path(__file__).parents[1] / "docs" / "serving.md").read_text()

@@ -1,4 +1,5 @@
-"""Sharded attend on 8 fake CPU devices equals the one-device result; one compilation."""
+"""Sharded attend on 8 fake CPU devices equals the one-device result; one compilation; KV heads
+repeated over a `model` axis larger than them attend as the one-device cache does."""
 
 import dataclasses
 
@@ -64,6 +65,48 @@ def test_sharded_equals_single_device_and_compiles_once(kv_heads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert sharded_cache.hist_codes_k.sharding.spec == specs.hist_codes_k
     np.testing.assert_array_equal(np.asarray(sharded_cache.hist_codes_v), np.asarray(cache.hist_codes_v))
+    assert step._cache_size() == 1
+
+
+def test_kv_heads_repeated_over_a_larger_model_axis():
+    """2 KV heads of 8 query heads on data 2 x model 4 (`kv_head_copies`: 2): the cache and its
+    params with each KV head repeated on 2 devices (`repeat_kv_heads`), one KV head and 2 query
+    heads a device, give the one-device outputs over 12 steps (query head h keeps KV head h // 4),
+    and their history holds each head twice; one compilation."""
+    from oscar_jax import parallel
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    assert sharding.kv_head_copies(2, 8, mesh) == 2
+    assert [sharding.kv_head_copies(h, hq, mesh) for h, hq in ((4, 8), (8, 8), (2, 6), (3, 12))] == [1, 1, 1, 1]
+    rng = np.random.default_rng(5)
+    b, h, d = 2, 2, 16
+    spec = CacheSpec(1, b, h, d, 4 + 8 + 32, sink=4, window=8)
+    rot = np.linalg.qr(rng.standard_normal((2, h, d, d)))[0].astype(np.float32)
+    params = oj.LayerParams.create(rot[0], rot[1], 0.95, 0.9, num_layers=1, kv_heads=h,
+                                   k_shift=rng.standard_normal((h, d)).astype(np.float32)).layer(0)
+    prompt = random_kv(rng, b, 20, h, d)
+    cache = oj.write_prompt(oj.OscarCache.init(spec, stacked=False), prompt, prompt, jnp.array([20, 7]), params)
+    wide, wide_params = sharding.repeat_kv_heads(cache, 2), sharding.repeat_kv_heads(params, 2)
+    assert wide.spec.kv_heads == 4 and wide.sink_k.shape[1] == wide_params.rot_k.shape[0] == 4
+    cache_shardings = sharding.shardings(wide, mesh)
+    sharded = jax.device_put(wide, cache_shardings)
+    assert {s.data.shape for s in sharded.hist_codes_k.addressable_shards} == {(1, 1, *wide.hist_codes_k.shape[2:])}
+    step = jax.jit(lambda c, p, q, k, v: parallel.append_attend(c, p, q, k, v, mesh=mesh), donate_argnums=0,
+                   out_shardings=(None, cache_shardings))
+
+    @jax.jit
+    def single(c, p, q, k, v):
+        c = oj.append(c, k, v, p)
+        return oj.attend(q, c, p, implementation="xla")[0], c
+
+    wide_params = jax.device_put(wide_params, sharding.shardings(wide_params, mesh))
+    for _ in range(12):
+        k, v = (random_kv(rng, b, 1, h, d) for _ in range(2))
+        q = rng.standard_normal((b, 1, 8, d)).astype(np.float32)
+        want, cache = single(cache, params, q, k, v)
+        got, sharded = step(sharded, wide_params, q, *(np.repeat(x, 2, axis=2) for x in (k, v)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(sharded.hist_codes_v), np.repeat(np.asarray(cache.hist_codes_v), 2, 1))
     assert step._cache_size() == 1
 
 
