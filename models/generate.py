@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import sharding
-from oscar_jax.models import kv_policy
-from oscar_jax.models.decoder import PREFILL_CHUNK_TOKENS, Decoder, prefill_layer, rotation_digest
+from oscar_jax.models import kv_policy, parallel
+from oscar_jax.models.decoder import PREFILL_CHUNK_TOKENS, Decoder, prefill_layer, qkv_groups, rotation_digest
 
 NO_TOKEN = -1  # filler after a sequence stopped
 
@@ -73,6 +73,11 @@ def init_state(model: Decoder, policy, batch: int, max_len: int, chunk: int = 1,
         raise ValueError(f"policy {policy.name!r} (values_folded={policy_folded}) and a model with "
                          f"values_folded={model.values_folded}: a folded model serves with the policy that "
                          "decoder.fold_values returned with it (the R_V in its output projections) only")
+    groups = qkv_groups(model.cfg, model.layers[0].w_qkv.shape[-1])
+    if groups != parallel.kv_groups(model.cfg, mesh):
+        raise ValueError(f"model: its q/k/v are laid out in {groups} KV-head groups, a state on mesh="
+                         f"{None if mesh is None else dict(mesh.shape)} takes {parallel.kv_groups(model.cfg, mesh)}: "
+                         "place the model with parallel.shard(model, mesh) on the mesh its state is made for")
     if mesh is not None:
         return kv_policy.init_on_mesh(policy, model.cfg, batch, max_len, chunk, mesh)
     return policy.init(model.cfg, batch, max_len, chunk)

@@ -136,7 +136,8 @@ def build_decoder(cfg: ModelConfig, get: Callable[[str], np.ndarray], fmt: str, 
 
 
 def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
-    """The decoder's weights as HF-named float32 tensors ([out, in] layout)."""
+    """The decoder's weights as HF-named float32 tensors ([out, in] layout; a model laid out for
+    a mesh that repeats its KV heads is saved with each KV head once)."""
     cfg = model.cfg
     out = {checkpoint_name(cfg, "embed", "hf"): _from_decoder(cfg, "embed", model.embed[...])}
     out[checkpoint_name(cfg, "final_norm", "hf")] = _from_decoder(cfg, "final_norm", model.final_norm[...])
@@ -145,6 +146,8 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     for i, block in enumerate(model.layers):
         for param, value in block.arrays().items():
             value = np.asarray(value)
+            if param in parallel.QKV:
+                value = parallel.qkv_layout(cfg, value, cfg.num_kv_heads)
             for part, x in zip(FUSED.get(param, (param,)), unfuse(cfg, param, value) if param in FUSED else (value,)):
                 out[checkpoint_name(cfg, part, "hf", i)] = _from_decoder(cfg, part, x)
     return out

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from jax.sharding import Mesh, PartitionSpec as P
 
 from oscar_jax import cache as oc, sharding
-from oscar_jax.models import generate as gen, kv_policy, parallel
+from oscar_jax.models import generate as gen, kv_policy, parallel, weights
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder, fold_values, forward_logits
 from oscar_jax.models.safetensors_loader import load_hf
@@ -276,6 +276,13 @@ def test_random_weights_are_created_in_their_shards(cfg):
     assert sharded.layers[1].w_qkv[...].shape == (cfg.hidden_size, (cfg.num_heads + 2 * 4) * cfg.head_dim)
     for a, b in zip(jax.tree.leaves(nnx.state(sharded)), jax.tree.leaves(nnx.state(plain))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8)  # jit vs eager sampling
+    saved, alone = weights.hf_tensors(sharded), weights.hf_tensors(Decoder(cfg, rngs=nnx.Rngs(3)))
+    assert saved.keys() == alone.keys()  # saved with each KV head once, whatever the layout
+    for name in saved:
+        np.testing.assert_allclose(saved[name], alone[name], rtol=1e-6, atol=1e-8, err_msg=name)
+    if parallel.kv_groups(cfg, mesh) != cfg.num_kv_heads:  # a state off the mesh the model is laid out for
+        with pytest.raises(ValueError, match="laid out in 4 KV-head groups, a state on mesh=None takes 2"):
+            gen.init_state(sharded, POLICY, 1, 32)
 
 
 @pytest.mark.parametrize("text, message", [
