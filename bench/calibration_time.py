@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import calibrate as cal
-from oscar_jax.models import calibration as mc
+from oscar_jax.models import capture as mc
 from oscar_jax.models import registry, results
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,15 +40,15 @@ def main() -> None:
     acc = cal.Accumulator.init(len(layers), cfg.num_kv_heads, cfg.head_dim,
                                cal.CalibConfig(softmax_scale=cfg.softmax_scale))
     first = jnp.asarray(rows[:1])
-    jax.block_until_ready(mc._forward(decoder, first))
-    cal.accumulate(acc, *mc._capture(decoder, first, layers))  # compile both
+    jax.block_until_ready(mc.forward(decoder, first))
+    cal.accumulate(acc, *mc.capture_qkv(decoder, first, layers))  # compile both
     calib_s = forward_s = 0.0
     for row in rows:
         tokens = jnp.asarray(row[None])
         t0 = time.perf_counter()
-        acc = cal.accumulate(acc, *mc._capture(decoder, tokens, layers))
+        acc = cal.accumulate(acc, *mc.capture_qkv(decoder, tokens, layers))
         t1 = time.perf_counter()
-        jax.block_until_ready(mc._forward(decoder, tokens))
+        jax.block_until_ready(mc.forward(decoder, tokens))
         t2 = time.perf_counter()
         calib_s += t1 - t0
         forward_s += t2 - t1

@@ -15,5 +15,6 @@
   bench        `oscar bench`: decode throughput per KV scheme at a KV budget, against the roofline
   cli          the `oscar` typer app (other modules add commands to `cli.app`)
   calibration, evaluate, needle, corpus   `oscar calibrate`, `oscar eval`, `oscar needle`, the text splits
+  capture      q, k, v over windows of text: the calibration run's statistics and held-aside errors
   results      the record schema of bench/results/ files and `--json` outputs
 """

@@ -233,9 +233,9 @@ def forward_perplexity(model: Decoder, rows: np.ndarray, chunk: int, kv_dtype=No
 def _calibrate(model: Decoder, ids: np.ndarray, tokens: int, heldout: int, seq_len: int) -> oc.LayerParams:
     """Published rotations (U·H·P) with clips fitted on held-aside tokens, from `ids`."""
     from oscar_jax import calibrate as cal
-    from oscar_jax.models import calibration
+    from oscar_jax.models import capture
 
-    run = calibration.collect(model, ids[:tokens], ids[tokens: tokens + heldout], seq_len=seq_len,
+    run = capture.collect(model, ids[:tokens], ids[tokens: tokens + heldout], seq_len=seq_len,
                               config=cal.CalibConfig(softmax_scale=model.cfg.softmax_scale))
     result = cal.calibrate(run.stats, run.heldout, softmax_scale=model.cfg.softmax_scale)
     return result.layer_params()

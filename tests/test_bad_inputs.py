@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from oscar_jax import calibrate as cal
-from oscar_jax.models import calibration, cli, corpus, evaluate, needle, registry
+from oscar_jax.models import calibration, capture, cli, corpus, evaluate, needle, registry
 from oscar_jax.models import generate as gen
 from tiny_gguf import write_tiny_gguf
 
@@ -223,7 +223,7 @@ def test_calibrate_refuses_an_artifact_that_appeared_meanwhile(files, monkeypatc
     def collect(model, calib_ids, heldout_ids, **kwargs):
         out.mkdir()
         (out / "theirs").write_text("x")
-        return calibration.CalibrationRun(stats, None, (0, 1), 0.0)
+        return capture.CalibrationRun(stats, None, (0, 1), 0.0)
 
     monkeypatch.setattr(calibration, "collect", collect)
     result = CliRunner().invoke(cli.app, _argv("calibrate", [

@@ -21,7 +21,7 @@ CALIB_TOKENS, HELDOUT_TOKENS, SEQ_LEN = 1024, 512, 256
 
 @pytest.fixture(scope="module")
 def smollm2_run():
-    from oscar_jax.models import calibration as mc
+    from oscar_jax.models import capture as mc
     from oscar_jax.models import registry
     try:
         text = mc.calibration_text("shakespeare")
@@ -36,7 +36,7 @@ def smollm2_run():
 
 @pytest.mark.slow
 def test_spectrum_using_variant_beats_hadamard_at_equal_bits(smollm2_run, tmp_path):
-    from oscar_jax.models import calibration as mc
+    from oscar_jax.models import capture as mc
     decoder, run = smollm2_run
     assert run.stats.tokens == CALIB_TOKENS and run.layers == tuple(range(30))
     quant_cfg = QuantConfig(bits=2)  # G = D = 64: 2 + 2*16/64 = 2.5 bits/element

@@ -8,7 +8,7 @@ from flax import nnx
 from oscar_jax import artifact
 from oscar_jax import calibrate as cal
 from oscar_jax.config import QuantConfig
-from oscar_jax.models import calibration as mc
+from oscar_jax.models import capture as mc
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder
 

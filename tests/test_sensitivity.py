@@ -12,7 +12,7 @@ from oscar_jax import budget, learn
 from oscar_jax import calibrate as cal
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import sensitivity
-from oscar_jax.models.calibration import _capture
+from oscar_jax.models.capture import capture_qkv
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder, _forward_layer, forward_logits, output_and_mlp
 
@@ -66,7 +66,7 @@ def _model():
 
 def _calibrations(model, ids):
     layers = (0, 2)
-    q, k, v = (np.asarray(x) for x in _capture(model, jnp.asarray(ids), layers))
+    q, k, v = (np.asarray(x) for x in capture_qkv(model, jnp.asarray(ids), layers))
     stats = cal.statistics(cal.accumulate(cal.Accumulator.init(2, 2, 16), q, k, v))
     return (q, k, v), [cal.calibrate(stats, (q, k, v), rotation_k="uhp", rotation_v="uhp", quant_cfg=c,
                                      grid=(0.9, 1.0), center_keys=True, softmax_scale=model.cfg.softmax_scale)
@@ -97,7 +97,7 @@ def test_layer_kl_matches_an_oracle_forward():
         for i in range(2):
             x = _forward_layer(model.layers[i].arrays(), x, positions, jnp.array([30]), cfg=cfg,
                                kind=cfg.layer_types[i], capture=False, kv_dtype=None, exact_prefix=0)[0]
-        q, k, v = (np.asarray(a[1, 0]) for a in _capture(model, tokens, (0, 2)))
+        q, k, v = (np.asarray(a[1, 0]) for a in capture_qkv(model, tokens, (0, 2)))
         k_hat, v_hat = (np.asarray(learn._served_values(jnp.asarray(a[None]), jnp.asarray(rot[1]), jnp.asarray(dual[1]),
                                                          jnp.asarray(shift), two.quant, float(clip[1]))[0])
                         for a, rot, dual, shift, clip in (
