@@ -105,7 +105,8 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: 
         slots, pages = max(1, int(budget // (token_bytes * max_len))), None
     return Engine(model, policy, slots=slots, max_len=max_len, page_tokens=page, num_pages=pages,
                   min_bucket=1 << (shortest.bit_length() - 1), prefill_chunk=chunk,
-                  chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills, prefix_cache=prefix)
+                  chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills, prefix_cache=prefix,
+                  chunk_attention=args.chunk_attention)
 
 
 def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, shared: int) -> dict:
@@ -191,6 +192,8 @@ def main(argv=None) -> None:
                    help="runs without the prefix cache prefill each prompt in one pass instead of page chunks")
     p.add_argument("--chunks-per-step", type=int, default=8, help="prefill chunks between two decode steps")
     p.add_argument("--max-prefills", type=int, default=1, help="prompts prefilling at once (admission waits)")
+    p.add_argument("--chunk-attention", default=None,
+                   help="attention implementation of the prefill chunks (default: the cache's, as decode)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations: bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="JSON path (a .png is written beside it)")
@@ -221,7 +224,7 @@ def main(argv=None) -> None:
             row.update(warm_up_compiles=warm, compiles_timed=engine.compiles - compiled, rate_per_s=args.rate,
                        scale=args.scale, shared_prefix=shared_len, shared_requests=shared, kv_gib=args.kv_gib,
                        prefill_chunk=engine.chunk, chunks_per_step=args.chunks_per_step,
-                       max_prefills=args.max_prefills)
+                       max_prefills=args.max_prefills, chunk_attention=args.chunk_attention or "policy")
             rows.append(row)
             f = lambda x: "-" if x is None else f"{x:.2f}"
             print(f"{kv:6s} prefix {mode:3s}: {row['requests_per_s']:.3f} req/s, {row['output_tokens_per_s']:.1f} "

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax import attention, cache as oc, paged, parallel, rotation, sharding, updates
+from oscar_jax import attention, cache as oc, dispatch, paged, parallel, rotation, sharding, updates
 from oscar_jax.config import CacheSpec, QuantConfig, RingSpec
 from oscar_jax.config import bits_per_element as bpe_formula
 from oscar_jax.models import dense_cache
@@ -304,6 +304,21 @@ def make_policy(name: str, *, implementation: str = "auto"):
     if name in ("int2", "int4", "int8"):
         return QuantPolicy(name, QuantConfig(bits=int(name[3:])), 0, None, implementation=implementation)
     raise ValueError(f"kv={name!r}: expected one of {POLICIES}")
+
+
+def with_implementation(policy, name: str | None):
+    """`policy` attending through implementation `name` (`make_policy`'s; None: unchanged);
+    ValueError naming the choices (KIVI has none)."""
+    if name is None:
+        return policy
+    if isinstance(policy, QuantPolicy):
+        names = ("auto", *dispatch.NAMES)
+    else:
+        names = dense_cache.IMPLEMENTATIONS if isinstance(policy, DensePolicy) else ()
+    if name not in names:
+        raise ValueError(f"implementation={name!r}: policy {policy.name!r} takes "
+                         + (", ".join(names) or "no implementation choice"))
+    return dataclasses.replace(policy, implementation=name)
 
 
 # ----------------------------------------------------------------------------

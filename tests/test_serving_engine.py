@@ -6,6 +6,7 @@ scheduler conserves pages and slots over random arrivals and finishes (hypothesi
 
 from __future__ import annotations
 
+import dataclasses
 import hypothesis.strategies as st
 import jax
 import numpy as np
@@ -136,6 +137,29 @@ def test_warm_up_compiles_every_program_and_leaves_the_engine_empty(policy_name,
     for i, j in zip(ids, expected):
         assert warm.results[i] == cold.results[j], f"request {i}"
     assert warm.prompt_tokens == cold.prompt_tokens  # the warm-up's own requests are not counted
+
+
+def test_chunk_attention_picks_the_extend_chunks_implementation_only():
+    """chunk_attention: the one-row states of prefill's chunks attend through it while the pool
+    keeps the policy's; tokens are those of the policy's own; names a policy cannot take are refused."""
+    model, policy = MODELS["local-global"](), dataclasses.replace(POLICIES["oscar"], implementation="auto")
+    chosen = Engine(model, policy, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, num_pages=NUM_PAGES,
+                    prefill_chunk=4, chunk_attention="xla")
+    part = chosen._empty_part(chosen.buckets[0])
+    assert {layer.implementation for layer in part.layers if isinstance(layer, kv_policy.OscarLayer)} == {"xla"}
+    pool = chosen.state.layers
+    assert {layer.implementation for layer in pool if isinstance(layer, kv_policy.PagedLayer)} == {"auto"}
+    default = _engine(model, policy, 4)
+    reqs = _requests()
+    ids = [(chosen.submit(r), default.submit(r)) for r in reqs]
+    chosen.run()
+    default.run()
+    assert all(chosen.results[i] == default.results[j] for i, j in ids)
+    for pol, name, choices in ((policy, "cudnn", "auto, xla, pallas"),
+                               (POLICIES["fp8"], "pallas", "auto, cudnn, xla"),
+                               (kv_policy.make_policy("kivi"), "xla", "no implementation choice")):
+        with pytest.raises(ValueError, match=f"implementation={name!r}: policy .* takes {choices}"):
+            Engine(model, pol, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, chunk_attention=name)
 
 
 def test_request_never_fitting_the_pool_is_refused():

@@ -90,17 +90,20 @@ class Engine:
     prefill_chunk, chunks_per_step, max_prefills: chunked prefill (module docstring);
     prefix_cache: keep prompt prefixes (needs prefill_chunk dividing page_tokens; dense policies
     cut them every page_tokens too); prefix_cache_bytes: host memory its snapshots and dense
-    rows may take before unreferenced entries are evicted.
+    rows may take before unreferenced entries are evicted; chunk_attention: the attention
+    implementation of prefill's extend chunks (a policy implementation name; None: the
+    policy's, which decode keeps either way).
     """
 
     def __init__(self, model, policy, *, slots: int, max_len: int, page_tokens: int = 256,
                  num_pages: int | None = None, min_bucket: int = 16, prefill_chunk: int | None = None,
                  chunks_per_step: int = 1, max_prefills: int | None = None, prefix_cache: bool = False,
-                 prefix_cache_bytes: int = 8 << 30):
+                 prefix_cache_bytes: int = 8 << 30, chunk_attention: str | None = None):
         if model.values_folded:
             raise ValueError("Engine serves unfolded decoders (decoder.fold_values's pair is not supported yet)")
         cfg = model.cfg
         self.model, self.policy, self.slots = model, policy, slots
+        self._part_policy = kv_policy.with_implementation(policy, chunk_attention)
         if prefill_chunk is not None and (prefill_chunk < 1 or chunks_per_step < 1):
             raise ValueError(f"prefill_chunk={prefill_chunk}, chunks_per_step={chunks_per_step}: expected >= 1")
         if max_prefills is not None and max_prefills < 1:
@@ -382,7 +385,7 @@ class Engine:
         rows = self._pages_for(bucket) * self.page_tokens + self._spec.sink + self._spec.window if self.paged \
             else bucket
         if rows not in self._empty_parts:  # building a state costs far more than copying one
-            self._empty_parts[rows] = generate.init_state(self.model, self.policy, 1, rows, self._chunk)
+            self._empty_parts[rows] = generate.init_state(self.model, self._part_policy, 1, rows, self._chunk)
         return jax.tree.map(jnp.copy, self._empty_parts[rows])
 
     def _prefill_head(self, part: kv_policy.KVState, head) -> tuple[jax.Array, kv_policy.KVState]:
