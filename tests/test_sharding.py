@@ -68,12 +68,27 @@ def test_sharded_equals_single_device_and_compiles_once(kv_heads):
     assert step._cache_size() == 1
 
 
+def _sharded_and_single_steps(mesh, cache_shardings):
+    """(`parallel.append_attend` on `mesh`, the cache donated, and the same append + attend on
+    one device in XLA): the two decode steps the sharded tests compare."""
+    from oscar_jax import parallel
+
+    step = jax.jit(lambda c, p, q, k, v: parallel.append_attend(c, p, q, k, v, mesh=mesh), donate_argnums=0,
+                   out_shardings=(None, cache_shardings))
+
+    @jax.jit
+    def single(c, p, q, k, v):
+        c = oj.append(c, k, v, p)
+        return oj.attend(q, c, p, implementation="xla")[0], c
+
+    return step, single
+
+
 def test_kv_heads_repeated_over_a_larger_model_axis():
     """2 KV heads of 8 query heads on data 2 x model 4 (`kv_head_copies`: 2): the cache and its
     params with each KV head repeated on 2 devices (`repeat_kv_heads`), one KV head and 2 query
     heads a device, give the one-device outputs over 12 steps (query head h keeps KV head h // 4),
     and their history holds each head twice; one compilation."""
-    from oscar_jax import parallel
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     assert sharding.kv_head_copies(2, 8, mesh) == 2
@@ -91,13 +106,7 @@ def test_kv_heads_repeated_over_a_larger_model_axis():
     cache_shardings = sharding.shardings(wide, mesh)
     sharded = jax.device_put(wide, cache_shardings)
     assert {s.data.shape for s in sharded.hist_codes_k.addressable_shards} == {(1, 1, *wide.hist_codes_k.shape[2:])}
-    step = jax.jit(lambda c, p, q, k, v: parallel.append_attend(c, p, q, k, v, mesh=mesh), donate_argnums=0,
-                   out_shardings=(None, cache_shardings))
-
-    @jax.jit
-    def single(c, p, q, k, v):
-        c = oj.append(c, k, v, p)
-        return oj.attend(q, c, p, implementation="xla")[0], c
+    step, single = _sharded_and_single_steps(mesh, cache_shardings)
 
     wide_params = jax.device_put(wide_params, sharding.shardings(wide_params, mesh))
     for _ in range(12):
@@ -148,13 +157,7 @@ def test_sequence_parallel_append_attend_equals_single_device(shape, axes):
     assert cache_shardings.sink_k.spec == cache_shardings.recent_v.spec == sharding.spec(None, heads)
     sharded = jax.device_put(cache, cache_shardings)
     sharded_params = jax.device_put(params, sharding.shardings(params, mesh))
-    step = jax.jit(lambda c, p, q, k, v: parallel.append_attend(c, p, q, k, v, mesh=mesh), donate_argnums=0,
-                   out_shardings=(None, cache_shardings))
-
-    @jax.jit
-    def single(c, p, q, k, v):
-        c = oj.append(c, k, v, p)
-        return oj.attend(q, c, p, implementation="xla")[0], c
+    step, single = _sharded_and_single_steps(mesh, cache_shardings)
 
     for _ in range(40):
         k, v = (random_kv(rng, b, 1, h, d) for _ in range(2))
