@@ -30,7 +30,7 @@ from oscar_jax import calibrate as cal
 from oscar_jax import learn
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element
 
-BIT_RESOLUTION = 1e-3  # the grid bit costs are rounded up to (so the target is never passed)
+BIT_RESOLUTION = 1e-3  # the grid the bits above each layer's cheapest are rounded up to (target never passed)
 
 
 def allocate(errors: np.ndarray, bits: np.ndarray, target: float, weights: np.ndarray | None = None) -> np.ndarray:
@@ -52,12 +52,13 @@ def allocate(errors: np.ndarray, bits: np.ndarray, target: float, weights: np.nd
     weights = np.ones(n) if weights is None else np.asarray(weights, np.float64)
     if weights.shape != (n,) or (weights < 0).any() or weights.sum() <= 0:
         raise ValueError(f"weights.shape={weights.shape}: expected [L={n}] non-negative, not all zero")
-    share = weights / weights.sum()
-    cost = np.ceil(share[:, None] * bits / BIT_RESOLUTION - 1e-9).astype(np.int64)  # grid units
-    capacity = int(np.floor(target / BIT_RESOLUTION + 1e-9))
-    if cost.min(axis=1).sum() > capacity:
-        cheapest = float((share[:, None] * bits).min(axis=1).sum())
-        raise ValueError(f"target={target} bits/element is below the cheapest choice ({cheapest:.4f})")
+    spent = weights[:, None] / weights.sum() * bits
+    base = spent.min(axis=1)  # each layer's cheapest, counted exactly: only the bits above it are rounded
+    cheapest = float(base.sum())
+    if cheapest > target + 1e-12:
+        raise ValueError(f"target={target} bits/element is below the cheapest choice ({cheapest:.6f})")
+    cost = np.ceil((spent - base[:, None]) / BIT_RESOLUTION - 1e-9).astype(np.int64)  # grid units
+    capacity = max(int(np.floor((target - cheapest) / BIT_RESOLUTION + 1e-9)), 0)
     # best[u]: the least summed error of the layers so far at exactly u grid units of bits.
     best = np.full(capacity + 1, np.inf)
     best[0] = 0.0

@@ -11,7 +11,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from oscar_jax import budget
-from oscar_jax.config import QuantConfig, bits_per_element
+from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element
 from oscar_jax.models import generate as gen, kv_policy
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder, forward_logits
@@ -29,16 +29,33 @@ def test_allocate_is_optimal_within_the_budget(layers, choices, seed, slack):
     weights = rng.uniform(0.1, 1, layers)
     share = weights / weights.sum()
     cheapest, dearest = (share * bits.min(1)).sum(), (share * bits.max(1)).sum()
-    target = cheapest + slack * (dearest - cheapest) + layers * budget.BIT_RESOLUTION
+    target = cheapest + slack * (dearest - cheapest)
     picked = budget.allocate(errors, bits, target, weights)
     rows = np.arange(layers)
     assert (share * bits[rows, picked]).sum() <= target + 1e-12
     combos = [np.array(c) for c in itertools.product(range(choices), repeat=layers)]
     spent = lambda c: (share * bits[rows, c]).sum()
     error = lambda c: errors[rows, c].sum()
-    best = min(error(c) for c in combos if spent(c) <= target)
-    best_with_room = min(error(c) for c in combos if spent(c) <= target - layers * budget.BIT_RESOLUTION)
+    best = min(error(c) for c in combos if spent(c) <= target + 1e-12)
+    best_with_room = min((error(c) for c in combos if spent(c) <= target - layers * budget.BIT_RESOLUTION),
+                         default=np.inf)
     assert best - 1e-12 <= error(picked) <= best_with_room + 1e-12
+
+
+def test_allocate_counts_each_layers_cheapest_exactly():
+    """Bits off the grid (SmolLM2's 64 + 256 and 16 + 256 at 8192 tokens, 30 layers): the
+    cheapest choice fits a target equal to its bits, and the bits one upgrade needs above it
+    are all the room it takes (rounding every layer's whole cost up would lose ~0.02 bits)."""
+    spec = lambda sink, window, quant: CacheSpec(1, 1, 1, 64, 8192, sink, window, quant)
+    two, four = QuantConfig(2), QuantConfig(4)
+    uniform = bits_per_element(spec(64, 256, two), 8192)
+    assert budget.allocate(np.ones((30, 1)), np.full((30, 1), uniform), uniform).tolist() == [0] * 30
+    bits = np.tile([bits_per_element(spec(16, 256, q), 8192) for q in (two, four)], (30, 1))
+    errors = np.zeros((30, 2))
+    errors[:, 0], errors[7, 0] = 1.0, 5.0  # the first candidate errs; layer 7 most
+    picked = budget.allocate(errors, bits, uniform)
+    assert bits[np.arange(30), picked].mean() <= uniform  # one 4-bit layer fits, two do not
+    assert picked.tolist() == [int(i == 7) for i in range(30)]
 
 
 def test_allocate_refuses_an_unreachable_target():
@@ -130,14 +147,15 @@ def test_allocate_segments_is_optimal_over_segments_and_layers(segments, layers,
     errors = rng.uniform(0, 1, (segments, layers, choices))
     bits = rng.uniform(2, 8, (segments, choices))
     lo, hi = bits.min(), bits.max()
-    target = lo + slack * (hi - lo) + layers * budget.BIT_RESOLUTION
+    target = lo + slack * (hi - lo)
     chosen, picked = budget.allocate_segments(errors, bits, target)
     rows = np.arange(layers)
     assert bits[chosen, picked].mean() <= target + 1e-12
     combos = [(s, np.array(c)) for s in range(segments) for c in itertools.product(range(choices), repeat=layers)]
     total = lambda s, c: errors[s, rows, c].sum()
-    best = min(total(s, c) for s, c in combos if bits[s, c].mean() <= target)
-    best_with_room = min(total(s, c) for s, c in combos if bits[s, c].mean() <= target - layers * budget.BIT_RESOLUTION)
+    best = min(total(s, c) for s, c in combos if bits[s, c].mean() <= target + 1e-12)
+    best_with_room = min((total(s, c) for s, c in combos
+                          if bits[s, c].mean() <= target - layers * budget.BIT_RESOLUTION), default=np.inf)
     assert best - 1e-12 <= total(chosen, picked) <= best_with_room + 1e-12
     with pytest.raises(ValueError, match="every segment"):
         budget.allocate_segments(errors, bits, lo - 0.1)
