@@ -2,7 +2,7 @@
 chunks cost at each depth of a long prompt, per attention implementation.
 
     python bench/prefill_chunks.py --model llama3-8b --context 32K \
-        --cells oscar:pallas:256,oscar:xla:256,bf16:auto:256 --out chunks.json
+        --cells oscar:pallas:256,oscar:cudnn:256,bf16:auto:256,fp8:auto:256 --out chunks.json
 
 For each cell KV:IMPLEMENTATION:C it times `generate.extend` of C tokens on one row already
 holding d tokens (d in --depths; random K/V, capacity --context + C), and the one-pass
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b", help="a config-only architecture or checkpoint (random weights)")
     p.add_argument("--context", default="32K", help="the prompt length (and the deepest depth's bound)")
-    p.add_argument("--cells", default="oscar:pallas:256,oscar:xla:256,bf16:auto:256",
+    p.add_argument("--cells", default="oscar:pallas:256,oscar:cudnn:256,bf16:auto:256,fp8:auto:256",
                    help="KV:IMPLEMENTATION:C, comma-separated (IMPLEMENTATION: make_policy's)")
     p.add_argument("--depths", default="1K,8K,16K,31K", help="held tokens before the timed chunks")
     p.add_argument("--repeats", type=int, default=3, help="timed chunks per depth")

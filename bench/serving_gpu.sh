@@ -9,8 +9,8 @@
 #   budget-qwen       bf16, oscar, fp8, int8 for the Qwen3-8B shape, 8K and 32K
 #   workload-KV-P     the Poisson workload through the engine (bench/workload.py, 1 request/s), KV one of
 #                     oscar, bf16, fp8, P the prefix cache: on or off
-#   prefill-chunks    extend chunks of 256 tokens at depths 1K-31K of a 32K prompt, Triton against XLA
-#                     attention, beside the one-pass prefill (bench/prefill_chunks.py)
+#   prefill-chunks    extend chunks of 256 tokens at depths 1K-31K of a 32K prompt, Triton against cuDNN
+#                     (OSCAR) and bf16/fp8 (cuDNN), beside the one-pass prefill (bench/prefill_chunks.py)
 #   load-KV           `oscar serve` under bench/load_test.py (prompts 1K-8K, 256 output tokens), KV oscar or bf16
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ for job in "$@"; do
         python3 bench/workload.py --kv "${w%-*}" --prefix-cache "${w##*-}" --rate 1 \
         --out "bench/results/$dev/workload_llama3-8b_${w%-*}_prefix-${w##*-}.json" ;;
     prefill-chunks) python3 bench/prefill_chunks.py --model llama3-8b --context 32K \
-        --cells oscar:pallas:256,oscar:xla:256,bf16:auto:256 --out "bench/results/$dev/prefill_chunks_llama3-8b.json" ;;
+        --cells oscar:pallas:256,oscar:cudnn:256,bf16:auto:256,fp8:auto:256 --out "bench/results/$dev/prefill_chunks_llama3-8b.json" ;;
     load-oscar) load oscar 64 ;;
     load-bf16) load bf16 24 ;;
     *) echo "unknown job $job" >&2; exit 2 ;;

@@ -39,8 +39,8 @@ class DenseCache:
     float8 only: k_scale, v_scale float32 [B, Hkv]; the cache holds e4m3(clip(x / scale,
     ±448)) and attention reads stored * scale (`fp8_scale` says how the scale is set).
     `window` (sliding layers) limits what a query sees to its last `window` positions.
-    `implementation` of decode attention: "cudnn" (flash attention), "xla" or "auto" (cuDNN
-    where `cudnn_decode_supported`, else XLA)."""
+    `implementation` of attention: "cudnn" (flash attention), "xla" or "auto" (cuDNN where
+    `cudnn_supported`, else XLA)."""
 
     k: jax.Array
     v: jax.Array
@@ -167,22 +167,23 @@ def write_prompt(layer: DenseCache | KiviCache, k: jax.Array, v: jax.Array, leng
     return new
 
 
-def cudnn_decode_supported(layer, queries: int) -> bool:
-    """Whether one-query decode over this cache can run on cuDNN's flash attention (GPU, bf16 or
-    fp16 storage, head dim <= 256 and a multiple of 8, no sliding window)."""
+def cudnn_supported(layer, queries: int) -> bool:
+    """Whether attention of `queries` queries over this cache can run on cuDNN's flash attention
+    (GPU, head dim <= 256 and a multiple of 8, no sliding window; bf16 or fp16 storage, or
+    float8 for a chunk of several queries, which reads the cache converted to bf16)."""
     d = layer.k.shape[-1]
-    return (jax.default_backend() == "gpu" and queries == 1 and isinstance(layer, DenseCache)
-            and layer.window is None and layer.k.dtype in (jnp.bfloat16, jnp.float16)
-            and d <= 256 and d % 8 == 0)
+    dtypes = (jnp.bfloat16, jnp.float16) + ((FP8,) if queries > 1 else ())
+    return (jax.default_backend() == "gpu" and isinstance(layer, DenseCache) and layer.window is None
+            and layer.k.dtype in dtypes and d <= 256 and d % 8 == 0)
 
 
 def _use_cudnn(layer, queries: int) -> bool:
     """Whether this call runs on cuDNN: "auto" where supported; "cudnn" must be supported."""
     impl = getattr(layer, "implementation", "auto")
-    if impl == "cudnn" and not cudnn_decode_supported(layer, queries):
+    if impl == "cudnn" and not cudnn_supported(layer, queries):
         raise ValueError(f"implementation='cudnn' cannot run this call ({jax.default_backend()} backend, "
                          f"{layer.k.dtype} cache, C={queries}); use 'auto' or 'xla'")
-    return impl != "xla" and cudnn_decode_supported(layer, queries)
+    return impl != "xla" and cudnn_supported(layer, queries)
 
 
 def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -208,12 +209,16 @@ def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: 
     layer = dataclasses.replace(layer, k=put(layer.k, k, k_scale), v=put(layer.v, v, v_scale), lengths=n + c)
     if isinstance(layer, KiviCache):
         layer = _kivi_refresh(layer, layer.quantised_length(n))
-    if _use_cudnn(layer, c):
-        o = jax.nn.dot_product_attention(q.astype(layer.k.dtype), layer.k, layer.v, scale=softmax_scale,
-                                         key_value_seq_lengths=jnp.minimum(n + 1, t_max), implementation="cudnn")
-        return o.astype(q.dtype), layer
     kp = jnp.arange(t_max)[None, None, :]
     mask = kp <= pos[..., None]  # [B, C, T]
+    if _use_cudnn(layer, c):  # a chunk's queries see the cache bottom-right causally: masked
+        read = lambda stored, scale: stored if scale is None else \
+            (stored.astype(jnp.float32) * scale[:, None, :, None]).astype(jnp.bfloat16)
+        k_read, v_read = read(layer.k, k_scale), read(layer.v, v_scale)
+        o = jax.nn.dot_product_attention(q.astype(k_read.dtype), k_read, v_read, mask=None if c == 1 else mask[:, None],
+                                         scale=softmax_scale, key_value_seq_lengths=jnp.minimum(n + c, t_max),
+                                         implementation="cudnn")
+        return o.astype(q.dtype), layer
     window = getattr(layer, "window", None)
     if window is not None:
         mask &= kp > pos[..., None] - window

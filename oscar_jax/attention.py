@@ -8,6 +8,8 @@ implementation names of `oscar_jax.dispatch` (shared with `write_prompt`):
   "pallas" the GPU Pallas kernel (Triton lowering);
   "pallas_mosaic_gpu" the Hopper (sm_90) decode kernel (Pallas Mosaic GPU: TMA + wgmma);
   "pallas_tpu" the TPU Pallas kernel;
+  "cudnn"  the cache dequantised to bf16 and attended by cuDNN's flash attention (`flash_attend`:
+           prefill chunks of many queries on GPU);
   "auto"   the fastest implementation for the default backend, the cache and the call
            (C queries, g query heads per KV head).
 An explicit request that cannot run raises; only "auto" chooses. interpret=True runs an
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from oscar_jax import dispatch, reference, updates
-from oscar_jax.cache import LayerParams, OscarCache, RingCache, check_params
+from oscar_jax.cache import LayerParams, OscarCache, RingCache, check_params, ring_positions
 from oscar_jax.config import CacheSpec
 from oscar_jax.pallas_kernels import layout
 from oscar_jax.pallas_kernels.gpu import mixed_attention as _gpu_attention
@@ -187,6 +189,59 @@ def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCa
     return o, lse, cache
 
 
+def flash_attend(q: jax.Array, cache: OscarCache, params: LayerParams, softmax_scale: float | None = None, *,
+                 implementation: str = "cudnn") -> tuple[jax.Array, jax.Array]:
+    """`reference.attend` (C <= W queries, the chunk appended) through a flash kernel: the sink,
+    the dequantised history and the ring as one bf16 key sequence [ring W, sink S0, history T]
+    (the held tokens a prefix of it, so the kernel stops at them), the positions a query may
+    not see masked, `jax.nn.dot_product_attention` of `implementation` ("cudnn" on GPU; "xla"
+    anywhere, for tests). No [C, T] f32 scores exist and the codes are read once per chunk.
+
+    q [B, C, Hq, D] -> (o [B, C, Hq, D] in q.dtype, lse f32 [B, C, Hq]: cuDNN gives it in bf16,
+    so it is exact to bf16 only; sequence parallelism, which merges partials by it, refuses
+    this implementation).
+    """
+    spec = cache.spec
+    b, c, hq, d = q.shape
+    s0, w, heads = spec.sink, spec.window, (b, c, spec.kv_heads, hq // spec.kv_heads, d)
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    qr = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
+                    precision=jax.lax.Precision.HIGHEST).reshape(q.shape).astype(jnp.bfloat16)
+    n = cache.lengths
+    hist_k = cache.dequantized_hist("k")
+    t = hist_k.shape[-2]
+    keys = lambda ring, sink, hist: jnp.swapaxes(
+        jnp.concatenate([ring, sink, hist.astype(jnp.bfloat16)], axis=2), 1, 2)  # [B, W + S0 + T, Hkv, D]
+    k = keys(cache.recent_k, cache.sink_k, hist_k)
+    v = keys(cache.recent_v, cache.sink_v, cache.dequantized_hist("v"))
+    key_pos = jnp.concatenate([ring_positions(n, s0, w),  # -1: an empty slot
+                               jnp.broadcast_to(jnp.arange(s0 + t), (b, s0 + t))], axis=1)  # [B, S]
+    held = jnp.concatenate([jnp.ones((b, w + s0), bool), key_pos[:, w + s0:] < (n - w)[:, None]], axis=1)
+    qp = reference.query_positions(n, c)  # [B, C]
+    visible = held[:, None] & (key_pos[:, None] >= 0) & (key_pos[:, None] < n[:, None, None]) \
+        & (key_pos[:, None] <= qp[..., None])  # [B, C, S]
+    held_keys = (w + s0 + jnp.clip(n - w - s0, 0, t)).astype(jnp.int32)
+    o, lse = jax.nn.dot_product_attention(qr, k, v, mask=visible[:, None], scale=scale, key_value_seq_lengths=held_keys,
+                                          implementation=implementation, return_residual=True)
+    if not params.v_folded:
+        o = jnp.einsum("bckge,kde->bckgd", o.astype(jnp.float32).reshape(heads), params.output_rot,
+                       precision=jax.lax.Precision.HIGHEST).reshape(q.shape)
+    return o.astype(q.dtype), reference.shift_lse(lse.astype(jnp.float32), q, params, scale)
+
+
+def _cudnn_attend(q, cache: OscarCache, params: LayerParams, softmax_scale=None, interpret: bool = False,
+                  history_offset=None):
+    if history_offset is not None:
+        raise ValueError("implementation='cudnn' gives a bf16 log-sum-exp, too coarse to merge sequence-parallel "
+                         "partials; use 'auto' or a kernel implementation under a seq mesh axis")
+    return flash_attend(q, cache, params, softmax_scale)
+
+
+def _cudnn_supports(spec: CacheSpec, queries: int, group: int) -> bool:
+    """cuDNN's flash attention: head dim <= 256 and a multiple of 8."""
+    return spec.head_dim <= 256 and spec.head_dim % 8 == 0
+
+
 def attend_window(q: jax.Array, ring: RingCache, *, softmax_scale: float | None = None
                   ) -> tuple[jax.Array, jax.Array]:
     """Sliding-window attention over a ring layer (XLA): q [B, C, Hq, D] -> (o, lse)."""
@@ -203,3 +258,4 @@ register("pallas", kernel_attend(_gpu_attention.mixed_attention),
 # Faster than the Triton kernel at every shape it takes ("auto" puts it first on GPU).
 register("pallas_mosaic_gpu", kernel_attend(_mgpu_attention.mixed_attention, rotates=True),
          supports=_mgpu_attention.supports)
+register("cudnn", _cudnn_attend, supports=_cudnn_supports)

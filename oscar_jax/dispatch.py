@@ -4,13 +4,14 @@
   "pallas"             Pallas GPU kernels, Triton lowering;
   "pallas_mosaic_gpu"  Pallas Mosaic GPU kernels for Hopper (sm_90: TMA + wgmma);
   "pallas_tpu"         Pallas TPU (Mosaic) kernels;
+  "cudnn"              cuDNN's flash attention over the cache dequantised to bf16 (attend only);
   "auto"               the first of `AUTO_ORDER[backend]` that runs on this device and supports
                        the call (on CPU: "xla").
 
 A kernel implementation runs on its platform's backend ("gpu" or "tpu"; Mosaic GPU only on an
 sm_90 device) or, with `interpret=True`, in Pallas interpret mode on any backend (tests on
-CPU). An explicit request that cannot run raises a ValueError saying why; only "auto"
-chooses, and it never interprets.
+CPU; "cudnn" is no Pallas kernel and runs on a GPU only). An explicit request that cannot run
+raises a ValueError saying why; only "auto" chooses, and it never interprets.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from oscar_jax.config import CacheSpec
 from oscar_jax.pallas_kernels.gpu import hopper
 
 OPS = ("attend", "write", "append", "paged_attend")
-NAMES = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu")
+NAMES = ("xla", "pallas", "pallas_mosaic_gpu", "pallas_tpu", "cudnn")
 # The backend each implementation compiles for (None: any).
-PLATFORMS = {"xla": None, "pallas": "gpu", "pallas_mosaic_gpu": "gpu", "pallas_tpu": "tpu"}
+PLATFORMS = {"xla": None, "pallas": "gpu", "pallas_mosaic_gpu": "gpu", "pallas_tpu": "tpu", "cudnn": "gpu"}
 # What "auto" tries per backend, fastest measured first.
 AUTO_ORDER = {"gpu": ("pallas_mosaic_gpu", "pallas", "xla"), "tpu": ("pallas_tpu", "xla"), "cpu": ("xla",)}
 # Devices of the platform an implementation needs: (check of the default device, what it needs).
 _DEVICES = {"pallas_mosaic_gpu": (lambda: hopper.device_supported(), "an sm_90 (Hopper) GPU")}
+_COMPILED_ONLY = ("cudnn",)  # not Pallas: no interpret mode
 
 # (cache spec, C queries per call, g query heads per KV head) -> whether the kernel handles it;
 # a write passes C = g = 1, an append C new tokens and g = 1.
@@ -64,12 +66,15 @@ def get(op: str, name: str) -> Callable | None:
     return _REGISTRY[op, name][0]
 
 
-def _runs_here(name: str, backend: str) -> str | None:
-    """Why implementation `name` cannot run compiled on `backend` (None: it can)."""
+def _runs_here(name: str, backend: str, interpret: bool = False) -> str | None:
+    """Why implementation `name` cannot run on `backend` (None: it can); interpret: a Pallas
+    kernel runs anywhere in interpret mode."""
     platform = PLATFORMS[name]
+    if interpret and name not in _COMPILED_ONLY:
+        return None
     if platform is not None and platform != backend:
-        return (f"it compiles for the {platform!r} backend and the default backend is {backend!r} (pass "
-                "interpret=True to run it in Pallas interpret mode)")
+        hint = "" if name in _COMPILED_ONLY else " (pass interpret=True to run it in Pallas interpret mode)"
+        return f"it compiles for the {platform!r} backend and the default backend is {backend!r}{hint}"
     check, needs = _DEVICES.get(name, (lambda: True, ""))
     if not check():
         return f"it needs {needs} and the default device is a {jax.devices()[0].device_kind}"
@@ -103,7 +108,7 @@ def resolve(op: str, implementation: str, spec: CacheSpec, *, queries: int = 1, 
     if not _REGISTRY[op, implementation][1](spec, queries, group):
         raise ValueError(f"implementation={implementation!r} does not support {_describe(op, spec, queries, group)}; "
                          "use implementation='xla' or 'auto'")
-    why = None if interpret else _runs_here(implementation, backend)
+    why = _runs_here(implementation, backend, interpret)
     if why:
         raise ValueError(f"implementation={implementation!r} cannot run here: {why}; or use implementation='auto'")
     return implementation

@@ -200,6 +200,8 @@ def test_kernels_run_off_their_backend_only_when_interpreted():
             assert attention.resolve(name, spec, 1, 4, backend=backend, interpret=True) == name
             assert dispatch.resolve("write", name, spec, backend=backend, interpret=True) == name
     assert attention.resolve("auto", spec, 1, 4, backend="cpu", interpret=True) == "xla"
+    with pytest.raises(ValueError, match="compiles for the 'gpu' backend"):  # cuDNN has no interpret mode
+        attention.resolve("cudnn", spec, 64, 4, backend="cpu", interpret=True)
     assert dispatch.resolve("write", "auto", spec, backend="cpu") == "xla"
     assert dispatch.resolve("write", "auto", spec, backend="gpu") == "pallas_mosaic_gpu"
     assert dispatch.resolve("write", "auto", _spec(128, 32, "uniform", "bfloat16"), backend="gpu") == "pallas"

@@ -237,6 +237,38 @@ def test_gpu_serving_path_matches_the_xla_path(name):
     assert (runs[0].argmax(-1) == runs[1].argmax(-1)).mean() >= 0.9
 
 
+@pytest.mark.gpu
+@pytest.mark.gpu_serving
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("name", ["bf16", "fp8", "oscar"])
+def test_gpu_extend_chunks_on_cudnn_match_the_xla_path(name):
+    """On the GPU, bf16 weights: ragged prompts (300 and 177 tokens) then three extend chunks of
+    64 tokens whose attention runs on cuDNN's flash attention (the dense caches' "auto", fp8
+    read as bf16; OSCAR's "cudnn", the cache dequantised to bf16 with its sink and ring in
+    front) against the same chunks through XLA attention: logits within bf16 rounding of each
+    other, and the greedy tokens agree."""
+    model = Decoder(dataclasses.replace(LLAMA, head_dim=128, num_heads=8, num_kv_heads=2, hidden_size=256),
+                    rngs=nnx.Rngs(3), dtype=jnp.bfloat16)
+    rng = np.random.default_rng(12)
+    lengths = np.array([300, 177], np.int32)
+    tokens = rng.integers(0, 64, (2, 300)).astype(np.int32)
+    chunks = rng.integers(0, 64, (3, 2, 64)).astype(np.int32)
+    runs = []
+    for implementation in ("cudnn" if name == "oscar" else "auto", "xla"):
+        policy = kv_policy.with_implementation(kv_policy.make_policy(name), implementation)
+        kv = gen.init_state(model, policy, 2, 512, chunk=64)
+        _, kv = gen.prefill(model, kv, tokens, lengths)
+        out = []
+        for chunk in chunks:
+            logits, kv = gen.extend(model, kv, chunk)
+            out.append(np.asarray(logits))
+        runs.append(np.stack(out))
+    scale = np.abs(runs[1]).max()
+    print(f"\n{name}: max|logit diff| cuDNN vs XLA = {np.abs(runs[0] - runs[1]).max():.3g} (|logits| <= {scale:.2f})")
+    np.testing.assert_allclose(runs[0], runs[1], atol=0.05 * scale, rtol=0)
+    assert (runs[0].argmax(-1) == runs[1].argmax(-1)).mean() >= 0.9
+
+
 def test_ctrl_c_stops_a_long_generation_promptly(tmp_path):
     """`oscar generate` of 400K tokens (minutes of decoding on this tiny model) gets SIGINT once
     it says its decode loop runs and stops within seconds: the loop runs in
