@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from gpu_cases import lower_for_h200
 from oscar_jax import paged, reference, rotation, sharding, updates
 from oscar_jax import cache as oc
 from oscar_jax.config import CacheSpec, QuantConfig
@@ -212,15 +213,13 @@ def test_triton_paged_equals_contiguous_interpret():
 
 def test_triton_paged_lowers_for_cuda():
     """Pallas's Triton lowering (no GPU) accepts the block-table reads."""
-    from test_gpu_kernels import _lower_for_h200
-
     b, hkv, d, pages, rows, sink, window = 2, 2, 128, 9, 64, 64, 256
     sds = jax.ShapeDtypeStruct
     bf, u8 = jnp.bfloat16, jnp.uint8
     args = (sds((b, 1, hkv * 4, d), jnp.float32), sds((b, hkv, sink, d), bf), sds((b, hkv, sink, d), bf),
             sds((pages, hkv, rows, d), u8), sds((pages, hkv, d, rows), u8), *[sds((pages, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32), sds((b, 4), jnp.int32))
-    _lower_for_h200(lambda q, *cache: triton_attention.mixed_attention(
+    lower_for_h200(lambda q, *cache: triton_attention.mixed_attention(
         q, layout.CacheArrays(*cache[:-1]), block_table=cache[-1], sink=sink, window=window, bits=2,
         levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5), args)
 
@@ -258,8 +257,6 @@ def test_mgpu_paged_equals_contiguous_interpret():
 def test_mgpu_paged_lowers_for_cuda():
     """Mosaic GPU's sm_90 checks (layouts, wgmma, TMA) accept the block-table reads: B4 Hkv4 at
     8K in pages of 256 tokens."""
-    from test_gpu_kernels import _lower_for_h200
-
     b, hkv, d, g, per_seq, rows, sink, window = 4, 4, 128, 4, 32, 64, 64, 256
     pages = b * per_seq
     sds = jax.ShapeDtypeStruct
@@ -268,7 +265,7 @@ def test_mgpu_paged_lowers_for_cuda():
             sds((pages, hkv, rows, d), u8), sds((pages, hkv, d, rows), u8), *[sds((pages, hkv, 1, 4, rows), bf)] * 4,
             sds((b, hkv, window, d), bf), sds((b, hkv, window, d), bf), sds((b,), jnp.int32),
             sds((b, per_seq), jnp.int32))
-    _lower_for_h200(lambda q, *cache: mixed_attention_mgpu.mixed_attention(
+    lower_for_h200(lambda q, *cache: mixed_attention_mgpu.mixed_attention(
         q, layout.CacheArrays(*cache[:-1]), block_table=cache[-1], sink=sink, window=window, bits=2,
         levels=(0.0, 1.0, 2.0, 3.0), softmax_scale=d ** -0.5), args)
 
