@@ -5,8 +5,10 @@ small programs no slower overall (an interpret-mode Mosaic GPU case 10.0 -> 7.0 
 every-scheme evaluate test 36 -> 28 s); it changes codegen only, not IEEE float semantics.
 
 The compiled GPU tests (marker `gpu`) come in groups, one marker each (`GPU_GROUPS`; the
-commands: tests/test_gpu_kernels.py's docstring). When a run selects any of them, JAX's
-persistent compilation cache keeps their compilations in build/jax_cache across runs."""
+commands: the docstrings of tests/test_gpu_kernels.py (gpu_triton, gpu_write) and
+tests/test_mgpu_kernels.py (gpu_mgpu, gpu_decode, gpu_decode_parts)). When a run selects any
+of them, JAX's persistent compilation cache keeps their compilations in build/jax_cache
+across runs."""
 
 import os
 import pathlib

@@ -21,13 +21,14 @@ CI runs `CI_EXAMPLES` examples per test (about 80 cases); `-m slow` runs `SLOW_E
 Examples are derandomized (the same in every run); a failure prints the drawn configuration,
 lengths and data seed, and `@reproduce_failure` blob.
 
-Tolerances are the kernels' own (tests/test_gpu_kernels.py, tests/test_tpu_kernels.py): GPU
-attention (bf16 MMA operands) per-row relative Frobenius error <= 1e-2, lse within 2e-2 +
-5e-3 |lse| (flash_attend, whose probabilities and output are bf16 too: 3e-2, and 1e-2 |lse|,
-which cuDNN returns in bf16); TPU attention (3 bf16 passes) 5e-5; writes with a signed-permutation rotation
-exact (the TPU write's codes may differ on rounding ties only, < 0.2% of them), with a dense
-rotation codes within one level (a rotated value may round to the neighbouring bf16: <= 1%
-of them and 4 more) and metadata within 8e-3 relative + 2^-6 of the largest.
+Tolerances are the kernels' own (tests/test_gpu_kernels.py, tests/test_mgpu_kernels.py,
+tests/test_tpu_kernels.py): GPU attention (bf16 MMA operands) per-row relative Frobenius error
+<= 1e-2, lse within 2e-2 + 5e-3 |lse| (flash_attend, whose probabilities and output are bf16
+too: 3e-2, and 1e-2 |lse|, which cuDNN returns in bf16); TPU attention (3 bf16 passes) 5e-5;
+writes with a signed-permutation rotation exact (the TPU write's codes may differ on rounding
+ties only, < 0.2% of them), with a dense rotation codes within one level (a rotated value may
+round to the neighbouring bf16: <= 1% of them and 4 more) and metadata within 8e-3 relative +
+2^-6 of the largest.
 """
 
 from __future__ import annotations
