@@ -20,6 +20,7 @@ import numpy as np
 
 from oscar_jax import calibrate as cal
 from oscar_jax import learn
+from oscar_jax.clips import CLIP_GRID, logit_error, output_error
 from oscar_jax.config import QuantConfig
 from oscar_jax.models import corpus
 from oscar_jax.models.decoder import Decoder
@@ -133,7 +134,7 @@ def _halves(run: CalibrationRun):
 
 
 def heldout_errors(run: CalibrationRun, rot_k, rot_v, quant_cfg: QuantConfig, clips: cal.ClipMode = "fit",
-                   grid=cal.CLIP_GRID, softmax_scale: float | None = None, *, sink: int, window: int,
+                   grid=CLIP_GRID, softmax_scale: float | None = None, *, sink: int, window: int,
                    center_keys: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Held-aside relative attention-logit error (keys quantised), attention-output error
     (values quantised, keys exact) and served attention-output error (keys and values
@@ -148,8 +149,8 @@ def heldout_errors(run: CalibrationRun, rot_k, rot_v, quant_cfg: QuantConfig, cl
     k_c = k_eval if c.k_shift is None else k_eval - c.k_shift[:, None, None]
     served = learn.attention_error(q_eval, k_eval, v_eval, c.rot_k, c.rot_v, c.clip_k, c.clip_v, quant_cfg,
                                    sink=sink, window=window, k_shift=c.k_shift, softmax_scale=softmax_scale)
-    return (cal.logit_error(q_eval, k_c, c.rot_k, c.clip_k, quant_cfg),
-            cal.output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale), served)
+    return (logit_error(q_eval, k_c, c.rot_k, c.clip_k, quant_cfg),
+            output_error(q_eval, k_eval, v_eval, c.rot_v, c.clip_v, quant_cfg, softmax_scale), served)
 
 
 def split_variant(name: str) -> tuple[str, str]:
@@ -159,7 +160,7 @@ def split_variant(name: str) -> tuple[str, str]:
 
 
 def compare_variants(run: CalibrationRun, names: tuple[str, ...], quant_cfg: QuantConfig,
-                     clips: cal.ClipMode = "fit", grid=cal.CLIP_GRID, softmax_scale: float | None = None, *,
+                     clips: cal.ClipMode = "fit", grid=CLIP_GRID, softmax_scale: float | None = None, *,
                      sink: int, window: int, center_keys: bool = False,
                      learned: Callable[[str, str], tuple[cal.Rotation, cal.Rotation]] | None = None
                      ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -28,6 +28,8 @@ import numpy as np
 
 from oscar_jax import calibrate as cal
 from oscar_jax import learn
+from oscar_jax.activations import _group_queries, check_activations
+from oscar_jax.clips import CLIP_GRID
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element
 
 BIT_RESOLUTION = 1e-3  # the grid the bits above each layer's cheapest are rounded up to (target never passed)
@@ -140,7 +142,7 @@ def _segment_sums(q, k, v, k_hat, v_hat, pos, segments, chunk, scale):
     newest `window` positions bf16, so query p sees exact keys < sink or > its chunk's last
     position - window."""
     t, hkv, _ = k.shape
-    qg = cal._group_queries(q[pos], hkv)  # [N, Hkv, g, D]
+    qg = _group_queries(q[pos], hkv)  # [N, Hkv, g, D]
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("nhgd,thd->hgnt", qg, k, precision=hi) * scale
     s_hat = jnp.einsum("nhgd,thd->hgnt", qg, k_hat, precision=hi) * scale
@@ -203,7 +205,7 @@ def context_errors(held, calibrations: Sequence[cal.Calibration], segments: Sequ
     serving chunk (1: token by token; an evaluation's prefill/extend chunk), which sets how many
     recent tokens a query sees in bf16."""
     q, k, v = held
-    cal.check_activations(q, k, v)
+    check_activations(q, k, v)
     num_layers, rows, t, hkv, d = k.shape
     if chunk < 1 or any(chunk > w for _, w in segments):
         raise ValueError(f"chunk={chunk}: expected 1 <= chunk <= every window {[w for _, w in segments]}")
@@ -297,7 +299,7 @@ class BudgetChoice:
 
 def calibrate_within(stats: cal.Statistics, heldout, context_held, rot_k, rot_v, candidates: Sequence[QuantConfig],
                      target: float, segments: Sequence[tuple[int, int]], clips: cal.ClipMode = "fit",
-                     grid=cal.CLIP_GRID, softmax_scale: float | None = None, *, chunk: int = 1, queries: int = 256,
+                     grid=CLIP_GRID, softmax_scale: float | None = None, *, chunk: int = 1, queries: int = 256,
                      center_keys: bool = False,
                      weigh: Callable[[cal.Calibration], np.ndarray] | None = None) -> BudgetChoice:
     """A calibration within `target` bits/element: every candidate quantiser calibrated

@@ -39,7 +39,9 @@ import optax
 
 from oscar_jax import calibrate as cal
 from oscar_jax import quant
+from oscar_jax.activations import _group_queries, check_activations
 from oscar_jax.cache import STORE_DTYPE
+from oscar_jax.clips import CLIP_GRID, fit_clips
 from oscar_jax.config import LLOYD_MAX_SPAN, QuantConfig
 
 INIT_KINDS = tuple(k for k in cal.ROTATION_KINDS if k != "learned")
@@ -117,7 +119,7 @@ def _output_sums(q, k, v, k_hat, v_hat, pos, sink: int, window: int, scale: floa
     positions -> (Σ |o - ô|², Σ |o|²) over the N queries, ô with sink and window exact."""
     b, t, hkv, _ = k.shape
     qs = jnp.take_along_axis(q, pos[:, :, None, None], axis=1)
-    qg = cal._group_queries(qs, hkv)  # [B, N, Hkv, g, D]
+    qg = _group_queries(qs, hkv)  # [B, N, Hkv, g, D]
     s = jnp.einsum("bnhgd,bthd->bhgnt", qg, k, precision=_HI) * scale
     s_hat = jnp.einsum("bnhgd,bthd->bhgnt", qg, k_hat, precision=_HI) * scale
     keys = jnp.arange(t)[None, None, :]
@@ -154,7 +156,7 @@ def attention_error(q, k, v, rot_k: cal.Rotation, rot_v: cal.Rotation, clip_k, c
     `k_shift` [L, Hkv, D] removed first when given): Σ |o - ô|² / Σ |o|² over the queries at
     positions >= sink + window. q [L, B, T, Hq, D], k, v [L, B, T, Hkv, D]; clip_k,
     clip_v [L] -> float64 [L]."""
-    cal.check_activations(q, k, v)
+    check_activations(q, k, v)
     _check_positions(k.shape[2], sink, window)
     num_layers, _, _, hkv, d = k.shape
     shift = np.zeros((num_layers, hkv, d), np.float32) if k_shift is None else np.asarray(k_shift, np.float32)
@@ -218,7 +220,7 @@ class RotationLearner:
     def step(self, q, k, v) -> np.ndarray:
         """`config.steps_per_batch` steps on q [L, B, T, Hq, D], k, v [L, B, T, Hkv, D] ->
         the last step's per-layer relative errors (before its update) float64 [L]."""
-        cal.check_activations(q, k, v, self.fixed["r0_k"].shape[:2] + self.fixed["r0_k"].shape[-1:])
+        check_activations(q, k, v, self.fixed["r0_k"].shape[:2] + self.fixed["r0_k"].shape[-1:])
         _check_positions(k.shape[2], self.sink, self.window)
         q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
         for _ in range(self.config.steps_per_batch):
@@ -279,14 +281,14 @@ def _update(params, opt_state, q, k, v, fixed, key, *, optimizer, cfg, sink, win
 def learn_rotations(stats: cal.Statistics, batches: Callable[[], Iterable], *,
                     rotation_k: cal.RotationSpec | str, rotation_v: cal.RotationSpec | str,
                     quant_cfg: QuantConfig, sink: int, window: int, config: LearnConfig = LearnConfig(),
-                    center_keys: bool = False, grid=cal.CLIP_GRID, softmax_scale: float | None = None,
+                    center_keys: bool = False, grid=CLIP_GRID, softmax_scale: float | None = None,
                     progress: Callable[[np.ndarray], None] | None = None) -> tuple[cal.Rotation, cal.Rotation]:
     """Train the "learned" ones of rotation_k, rotation_v (a "learned" spec trains from
     config.init with the same per-head setting; any other is built from `stats` and kept).
 
     stats: the calibration statistics; batches: called once per epoch, yields calibration
     (q, k, v) [L, B, T, H, D] (streamed: the caller computes each when asked); the clips
-    used while training are fitted (`calibrate.fit_clips`) for the initial rotations on the
+    used while training are fitted (`clips.fit_clips`) for the initial rotations on the
     first batch (fit the final clips on the learned ones with `calibrate.calibrate`); sink,
     window: the bf16 segments the cache is served with; progress(losses [L]) is called after
     each batch. Returns (rot_k, rot_v) [L, Hkv, D, D] (learned from an orthogonal init:
@@ -306,7 +308,7 @@ def learn_rotations(stats: cal.Statistics, batches: Callable[[], Iterable], *,
         for q, k, v in batches():
             if learner is None:
                 _, (q_c, k_c, v_c), _ = cal.centered(stats, (q, k, v), center_keys)
-                fit = cal.fit_clips(stats_c, q_c, k_c, v_c, init[0], init[1], quant_cfg, grid, softmax_scale)
+                fit = fit_clips(stats_c, q_c, k_c, v_c, init[0], init[1], quant_cfg, grid, softmax_scale)
                 learner = RotationLearner(init[0], init[1], train, per_head=per_head, clip_k=fit.clip_k,
                                           clip_v=fit.clip_v, quant_cfg=quant_cfg, sink=sink, window=window,
                                           k_shift=k_shift, softmax_scale=softmax_scale, config=config)

@@ -8,6 +8,7 @@ import pytest
 
 import oscar_jax as oj
 from oscar_jax import calibrate as cal
+from oscar_jax import clips
 from oscar_jax import quant, reference
 from oscar_jax.config import CacheSpec, QuantConfig
 
@@ -200,7 +201,7 @@ def test_fit_clips_picks_the_oracle_argmin():
     cfg = QuantConfig(group_size=8)
     rk, rv = cal.rotation_for(st, "k", "uhp", 8), cal.rotation_for(st, "v", "shaped", 8)
     grid = (0.7, 0.8, 0.9, 1.0)
-    fit = cal.fit_clips(st, hq, hk, hv, rk, rv, cfg, grid)
+    fit = clips.fit_clips(st, hq, hk, hv, rk, rv, cfg, grid)
     w = np.einsum("lnhd,lhde,lnhe->lnh", hk.reshape(L, -1, HKV, D).astype(np.float64),
                   st.query_cov, hk.reshape(L, -1, HKV, D))
     for layer in range(L):
@@ -232,7 +233,7 @@ def test_error_shaping_beats_hadamard_on_misaligned_spectra():
     st = cal.statistics(stream(q, k, v))
     cfg = QuantConfig()
     clip = np.ones(L)
-    errs = {name: cal.logit_error(hq, hk, cal.rotation_for(st, "k", name), clip, cfg)
+    errs = {name: clips.logit_error(hq, hk, cal.rotation_for(st, "k", name), clip, cfg)
             for name in ("hadamard", "shaped/head")}
     # oracle for one layer: dense logits over causal pairs in float64
     r = cal.rotation_for(st, "k", "shaped/head")
@@ -306,8 +307,8 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="heldout"):
         cal.calibrate(st, None, clips="fit")
     with pytest.raises(ValueError, match="grid"):
-        cal.fit_clips(st, q, k, v, cal.rotation_for(st, "k", "u"), cal.rotation_for(st, "v", "u"),
-                      QuantConfig(), grid=(0.5, 1.2))
+        clips.fit_clips(st, q, k, v, cal.rotation_for(st, "k", "u"), cal.rotation_for(st, "v", "u"),
+                        QuantConfig(), grid=(0.5, 1.2))
     with pytest.raises(ValueError, match="w_o.shape"):
         cal.fold_output_projection(jnp.ones((HQ * D + 1, 4)), jnp.ones((HKV, D, D)))
 
@@ -321,7 +322,7 @@ def test_output_error_matches_oracle_and_value_shaping_helps():
     hq = 0.3 * hq  # soft attention: outputs average many values
     st = cal.statistics(stream(q, k, v))
     cfg, clip = QuantConfig(), np.ones(L)
-    errs = {name: cal.output_error(hq, hk, hv, cal.rotation_for(st, "v", name), clip, cfg)
+    errs = {name: clips.output_error(hq, hk, hv, cal.rotation_for(st, "v", name), clip, cfg)
             for name in ("hadamard", "shaped")}
     r = cal.rotation_for(st, "v", "shaped")
     v_hat = numpy_reconstruct(hv[1, 0], r.rot[1], r.dual[1], cfg, 1.0)

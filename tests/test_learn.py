@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from oscar_jax import artifact, learn, quant
 from oscar_jax import calibrate as cal
+from oscar_jax import clips
 from oscar_jax.cache import LayerParams
 from oscar_jax.config import QuantConfig
 from test_calibrate import HKV, HQ, D, L, planted, stream
@@ -51,7 +52,7 @@ def test_learned_rotations_orthogonal_to_float32_precision():
 
 
 def test_ste_forward_is_the_cache_quantiser_and_gradient_is_lsq():
-    """Forward: cal.reconstruct's values bit for bit. Gradient of Σ c·x̂ (uniform, G = 8):
+    """Forward: clips.reconstruct's values bit for bit. Gradient of Σ c·x̂ (uniform, G = 8):
     c everywhere, plus ±(clip/3)·Σ_group c·r at each group's max/min (r the rounding
     residual in steps), against a numpy oracle."""
     rng = np.random.default_rng(1)
@@ -59,7 +60,7 @@ def test_ste_forward_is_the_cache_quantiser_and_gradient_is_lsq():
     x = jnp.asarray(rng.standard_normal((5, HKV, 16)), jnp.float32)
     rot = jnp.asarray(np.stack([np.linalg.qr(rng.standard_normal((16, 16)))[0] for _ in range(HKV)]), jnp.float32)
     served = learn._served_values(x[None], rot, rot, jnp.zeros((HKV, 16)), cfg, clip)[0]
-    np.testing.assert_array_equal(np.asarray(served), np.asarray(cal.reconstruct(x, rot, rot, cfg, clip)))
+    np.testing.assert_array_equal(np.asarray(served), np.asarray(clips.reconstruct(x, rot, rot, cfg, clip)))
 
     xr = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
     c = rng.standard_normal((4, 16))
@@ -84,10 +85,10 @@ def _oracle_attention_error(q, k, v, calib, cfg, sink, window, scale):
         shift = np.zeros((HKV, D)) if calib.k_shift is None else calib.k_shift[i]
         err = ref = 0.0
         for b in range(q.shape[1]):
-            k_hat = np.asarray(cal.reconstruct(k[i, b] - shift, calib.rot_k.rot[i], calib.rot_k.dual[i], cfg,
-                                               float(calib.clip_k[i])), np.float64) + shift
-            v_hat = np.asarray(cal.reconstruct(v[i, b], calib.rot_v.rot[i], calib.rot_v.dual[i], cfg,
-                                               float(calib.clip_v[i])), np.float64)
+            k_hat = np.asarray(clips.reconstruct(k[i, b] - shift, calib.rot_k.rot[i], calib.rot_k.dual[i], cfg,
+                                                 float(calib.clip_k[i])), np.float64) + shift
+            v_hat = np.asarray(clips.reconstruct(v[i, b], calib.rot_v.rot[i], calib.rot_v.dual[i], cfg,
+                                                 float(calib.clip_v[i])), np.float64)
             for hq in range(HQ):
                 h = hq // (HQ // HKV)
                 for t in range(sink + window, q.shape[2]):
@@ -139,7 +140,7 @@ def test_training_lowers_the_held_aside_error_against_its_initial_rotation():
     rot_k, rot_v = learn.learn_rotations(st, batches, rotation_k="learned", rotation_v="learned", quant_cfg=cfg,
                                          sink=sink, window=window, config=config, grid=grid)
     init_k, init_v = cal.rotation_for(st, "k", "uhp"), cal.rotation_for(st, "v", "uhp")
-    fit = cal.fit_clips(st, *held, init_k, init_v, cfg, grid)
+    fit = clips.fit_clips(st, *held, init_k, init_v, cfg, grid)
     error = lambda rk, rv: learn.attention_error(*held, rk, rv, fit.clip_k, fit.clip_v, cfg, sink=sink, window=window)
     before, after = error(init_k, init_v), error(rot_k, rot_v)
     assert np.all(after < 0.8 * before), (before, after)
@@ -156,7 +157,7 @@ def test_learning_from_the_error_shaped_rotation():
     st = cal.statistics(stream(*train))
     cfg, sink, window = QuantConfig(group_size=8), 4, 8
     init = cal.rotation_for(st, "k", "shaped/head", 8), cal.rotation_for(st, "v", "shaped/head", 8)
-    fit = cal.fit_clips(st, *held, *init, cfg, (0.8, 0.9, 1.0))
+    fit = clips.fit_clips(st, *held, *init, cfg, (0.8, 0.9, 1.0))
     config = learn.LearnConfig(init="shaped", epochs=10, steps_per_batch=1, queries=32, learning_rate=1e-2)
     learner = learn.RotationLearner(*init, ("k", "v"), per_head=True, clip_k=fit.clip_k, clip_v=fit.clip_v,
                                     quant_cfg=cfg, sink=sink, window=window, config=config)
