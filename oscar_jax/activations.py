@@ -30,7 +30,7 @@ def check_activations(q: jax.Array, k: jax.Array, v: jax.Array,
                          f"as the accumulator was created")
 
 
-def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
     """[..., Hq, D] -> [..., Hkv, g, D]."""
     *lead, hq, d = q.shape
     return q.reshape(*lead, kv_heads, hq // kv_heads, d)
@@ -43,7 +43,7 @@ def attention_mass(q: jax.Array, k: jax.Array, softmax_scale: float | None = Non
     """
     d = q.shape[-1]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    qg = _group_queries(q.astype(jnp.float32), k.shape[2])
+    qg = group_queries(q.astype(jnp.float32), k.shape[2])
     s = jnp.einsum("bqhgd,bthd->bhgqt", qg, k.astype(jnp.float32), precision=_HI) * scale
     t = q.shape[1]
     causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]

@@ -28,7 +28,7 @@ import numpy as np
 
 from oscar_jax import calibrate as cal
 from oscar_jax import learn
-from oscar_jax.activations import _group_queries, check_activations
+from oscar_jax.activations import check_activations, group_queries
 from oscar_jax.clips import CLIP_GRID
 from oscar_jax.config import CacheSpec, QuantConfig, bits_per_element
 
@@ -142,7 +142,7 @@ def _segment_sums(q, k, v, k_hat, v_hat, pos, segments, chunk, scale):
     newest `window` positions bf16, so query p sees exact keys < sink or > its chunk's last
     position - window."""
     t, hkv, _ = k.shape
-    qg = _group_queries(q[pos], hkv)  # [N, Hkv, g, D]
+    qg = group_queries(q[pos], hkv)  # [N, Hkv, g, D]
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("nhgd,thd->hgnt", qg, k, precision=hi) * scale
     s_hat = jnp.einsum("nhgd,thd->hgnt", qg, k_hat, precision=hi) * scale

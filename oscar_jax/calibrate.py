@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import rotation
-from oscar_jax.activations import _group_queries, attention_mass, check_activations, published_weights
+from oscar_jax.activations import attention_mass, check_activations, group_queries, published_weights
 from oscar_jax.cache import LayerParams
 from oscar_jax.clips import CLIP_GRID, ClipFit, fit_clips
 from oscar_jax.config import QuantConfig
@@ -111,7 +111,7 @@ def _chunk_sums(q, k, v, attention_weighted: bool, softmax_scale):
     """Per-chunk float32 sums over tokens: qq (mean over the group's g heads), kk, wvv
     [L, Hkv, D, D], w [L, Hkv]."""
     f32 = lambda x: x.astype(jnp.float32)
-    qg = _group_queries(f32(q), k.shape[3])
+    qg = group_queries(f32(q), k.shape[3])
     qq = jnp.einsum("lbthgd,lbthge->lhde", qg, qg, precision=_HI) / qg.shape[-2]
     kk = jnp.einsum("lbthd,lbthe->lhde", f32(k), f32(k), precision=_HI)
     if not attention_weighted:

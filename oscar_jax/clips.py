@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax import quant
-from oscar_jax.activations import _group_queries, attention_mass, check_activations, published_weights
+from oscar_jax.activations import attention_mass, check_activations, group_queries, published_weights
 from oscar_jax.cache import STORE_DTYPE
 from oscar_jax.config import QuantConfig
 
@@ -124,7 +124,7 @@ def _logit_sums(q, k, rot, dual, clip, cfg: QuantConfig):
     """One layer: q [B, T, Hq, D], k [B, T, Hkv, D] -> (Σ (s - ŝ)², Σ s²) over causal pairs."""
     b, t, hkv, d = k.shape
     k_hat = reconstruct(k.reshape(-1, hkv, d), rot, dual, cfg, clip).reshape(k.shape)
-    qg = _group_queries(q.astype(jnp.float32), hkv)
+    qg = group_queries(q.astype(jnp.float32), hkv)
     s = jnp.einsum("bqhgd,bthd->bhgqt", qg, k.astype(jnp.float32), precision=_HI)
     s_hat = jnp.einsum("bqhgd,bthd->bhgqt", qg, k_hat, precision=_HI)
     causal = _causal(t)
@@ -136,7 +136,7 @@ def _output_sums(q, k, v, rot, dual, clip, cfg: QuantConfig, softmax_scale):
     """One layer: (Σ |o - ô|², Σ |o|²) with o = softmax(q·k) v, ô the same over v̂."""
     b, t, hkv, d = k.shape
     v_hat = reconstruct(v.reshape(-1, hkv, d), rot, dual, cfg, clip).reshape(v.shape)
-    qg = _group_queries(q.astype(jnp.float32), hkv)
+    qg = group_queries(q.astype(jnp.float32), hkv)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     s = jnp.einsum("bqhgd,bthd->bhgqt", qg, k.astype(jnp.float32), precision=_HI) * scale
     p = jax.nn.softmax(jnp.where(_causal(t), s, -jnp.inf), axis=-1)

@@ -39,7 +39,7 @@ import optax
 
 from oscar_jax import calibrate as cal
 from oscar_jax import quant
-from oscar_jax.activations import _group_queries, check_activations
+from oscar_jax.activations import check_activations, group_queries
 from oscar_jax.cache import STORE_DTYPE
 from oscar_jax.clips import CLIP_GRID, fit_clips
 from oscar_jax.config import LLOYD_MAX_SPAN, QuantConfig
@@ -119,7 +119,7 @@ def _output_sums(q, k, v, k_hat, v_hat, pos, sink: int, window: int, scale: floa
     positions -> (Σ |o - ô|², Σ |o|²) over the N queries, ô with sink and window exact."""
     b, t, hkv, _ = k.shape
     qs = jnp.take_along_axis(q, pos[:, :, None, None], axis=1)
-    qg = _group_queries(qs, hkv)  # [B, N, Hkv, g, D]
+    qg = group_queries(qs, hkv)  # [B, N, Hkv, g, D]
     s = jnp.einsum("bnhgd,bthd->bhgnt", qg, k, precision=_HI) * scale
     s_hat = jnp.einsum("bnhgd,bthd->bhgnt", qg, k_hat, precision=_HI) * scale
     keys = jnp.arange(t)[None, None, :]
