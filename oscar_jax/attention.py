@@ -62,6 +62,24 @@ def resolve(implementation: str, spec: CacheSpec, queries: int, group: int,
                             interpret=interpret)
 
 
+def _by_kv_head(x: jax.Array, kv_heads: int) -> jax.Array:
+    """[B, C, Hq, D] -> f32 [B, C, Hkv, g, D]: query head h * g + i belongs to KV head h."""
+    b, c, hq, d = x.shape
+    return x.astype(jnp.float32).reshape(b, c, kv_heads, hq // kv_heads, d)
+
+
+def rotate_queries(q: jax.Array, params: LayerParams) -> jax.Array:
+    """q [B, C, Hq, D] (model basis) -> f32 q·R_K per KV head, the basis the cache holds keys in."""
+    return jnp.einsum("bckgd,kde->bckge", _by_kv_head(q, params.query_rot.shape[0]), params.query_rot,
+                      precision=jax.lax.Precision.HIGHEST).reshape(q.shape)
+
+
+def rotate_back(o: jax.Array, params: LayerParams) -> jax.Array:
+    """o [B, C, Hq, D] in the R_V basis -> f32 o·R_V^T per KV head (the model basis)."""
+    return jnp.einsum("bckge,kde->bckgd", _by_kv_head(o, params.output_rot.shape[0]), params.output_rot,
+                      precision=jax.lax.Precision.HIGHEST).reshape(o.shape)
+
+
 def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
                   rotates: bool = False, paged: bool = False) -> AttendFn:
     """Adapt a plain-array kernel to `attend`'s signature.
@@ -89,9 +107,6 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
     def fn(q, cache: OscarCache, params: LayerParams, softmax_scale=None, interpret: bool = False,
            history_offset=None):
         spec = cache.spec
-        hi = jax.lax.Precision.HIGHEST
-        b, c, hq, d = q.shape
-        heads = (b, c, spec.kv_heads, hq // spec.kv_heads, d)  # query head h * g + i of KV head h
         scale = spec.head_dim ** -0.5 if softmax_scale is None else softmax_scale
         out_dtype = q.dtype if history_offset is None else jnp.float32  # a slice's partial: merged in f32
         if rotates:
@@ -101,8 +116,7 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
             q_in, extra = q, {"query_rot": query_rot, "query_rot_stats": params.query_rot_stats,
                               "out_dtype": out_dtype, "output_rot": None if params.v_folded else output_rot}
         else:
-            q_in, extra = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
-                                     precision=hi).reshape(q.shape), {}
+            q_in, extra = rotate_queries(q, params), {}
         if paged:
             extra["block_table"] = cache.block_table
         if history_offset is not None:
@@ -113,8 +127,7 @@ def kernel_attend(kernel: Callable[..., tuple[jax.Array, jax.Array]], *,
             softmax_scale=scale, interpret=interpret, **extra,
         )
         if not rotates and not params.v_folded:
-            o = jnp.einsum("bckge,kde->bckgd", o.reshape(heads), params.output_rot,
-                           precision=hi).reshape(q.shape)
+            o = rotate_back(o, params)
         return o.astype(out_dtype), reference.shift_lse(lse, q, params, scale)
 
     return fn
@@ -202,11 +215,9 @@ def flash_attend(q: jax.Array, cache: OscarCache, params: LayerParams, softmax_s
     this implementation).
     """
     spec = cache.spec
-    b, c, hq, d = q.shape
-    s0, w, heads = spec.sink, spec.window, (b, c, spec.kv_heads, hq // spec.kv_heads, d)
+    b, c, _, d = q.shape
+    s0, w = spec.sink, spec.window
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    qr = jnp.einsum("bckgd,kde->bckge", q.astype(jnp.float32).reshape(heads), params.query_rot,
-                    precision=jax.lax.Precision.HIGHEST).reshape(q.shape).astype(jnp.bfloat16)
     n = cache.lengths
     hist_k = cache.dequantized_hist("k")
     t = hist_k.shape[-2]
@@ -216,16 +227,15 @@ def flash_attend(q: jax.Array, cache: OscarCache, params: LayerParams, softmax_s
     v = keys(cache.recent_v, cache.sink_v, cache.dequantized_hist("v"))
     key_pos = jnp.concatenate([ring_positions(n, s0, w),  # -1: an empty slot
                                jnp.broadcast_to(jnp.arange(s0 + t), (b, s0 + t))], axis=1)  # [B, S]
-    held = jnp.concatenate([jnp.ones((b, w + s0), bool), key_pos[:, w + s0:] < (n - w)[:, None]], axis=1)
-    qp = reference.query_positions(n, c)  # [B, C]
-    visible = held[:, None] & (key_pos[:, None] >= 0) & (key_pos[:, None] < n[:, None, None]) \
-        & (key_pos[:, None] <= qp[..., None])  # [B, C, S]
+    # The held history ends at position n - W (its later slots are the ring's tokens): the key
+    # lengths stop there. Sink positions past n and the chunk's later tokens fall to `<= qp`.
     held_keys = (w + s0 + jnp.clip(n - w - s0, 0, t)).astype(jnp.int32)
-    o, lse = jax.nn.dot_product_attention(qr, k, v, mask=visible[:, None], scale=scale, key_value_seq_lengths=held_keys,
+    visible = (key_pos[:, None] >= 0) & (key_pos[:, None] <= reference.query_positions(n, c)[..., None])  # [B, C, S]
+    o, lse = jax.nn.dot_product_attention(rotate_queries(q, params).astype(jnp.bfloat16), k, v,
+                                          mask=visible[:, None], scale=scale, key_value_seq_lengths=held_keys,
                                           implementation=implementation, return_residual=True)
     if not params.v_folded:
-        o = jnp.einsum("bckge,kde->bckgd", o.astype(jnp.float32).reshape(heads), params.output_rot,
-                       precision=jax.lax.Precision.HIGHEST).reshape(q.shape)
+        o = rotate_back(o, params)
     return o.astype(q.dtype), reference.shift_lse(lse.astype(jnp.float32), q, params, scale)
 
 
