@@ -240,6 +240,34 @@ def test_gpu_serving_path_matches_the_xla_path(name):
 @pytest.mark.gpu
 @pytest.mark.gpu_serving
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_gpu_dense_chunk_on_cudnn_matches_float32(dtype):
+    """A 64-query chunk appended to ragged dense caches (held 0, 37 and 700 of 1024 positions,
+    random values in every position beyond them) and attended on cuDNN against the same call in
+    float32 XLA: outputs within bf16 rounding (2% of the largest |o|). Admitting one unheld or
+    later position moves an output by O(1)."""
+    from oscar_jax.models import dense_cache as dc
+    rng = np.random.default_rng(5)
+    b, t_max, hkv, hq, d, c = 3, 1024, 2, 8, 128, 64
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    lengths = jnp.array([0, 37, 700], jnp.int32)
+    q, k, v = draw(b, c, hq, d).astype(jnp.bfloat16), draw(b, c, hkv, d), draw(b, c, hkv, d)
+    held_k, held_v = 3 * draw(b, t_max, hkv, d), 3 * draw(b, t_max, hkv, d)
+    outs = []
+    for implementation in ("cudnn", "xla"):
+        layer = dc.DenseCache.init(b, hkv, d, t_max, jnp.dtype(dtype), implementation=implementation)
+        layer = dc.write_prompt(layer, held_k, held_v, lengths)
+        o, after = jax.jit(dc.append_attend, static_argnums=4)(layer, q, k, v, d ** -0.5)
+        np.testing.assert_array_equal(np.asarray(after.lengths), np.asarray(lengths) + c)
+        outs.append(np.asarray(o, np.float32))
+    scale = np.abs(outs[1]).max()
+    print(f"\n{dtype}: max|o diff| cuDNN vs float32 = {np.abs(outs[0] - outs[1]).max():.3g} (|o| <= {scale:.2f})")
+    np.testing.assert_allclose(outs[0], outs[1], atol=0.02 * scale, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_serving
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("name", ["bf16", "fp8", "oscar"])
 def test_gpu_extend_chunks_on_cudnn_match_the_xla_path(name):
     """On the GPU, bf16 weights: ragged prompts (300 and 177 tokens) then three extend chunks of
