@@ -2,7 +2,9 @@
 step's memory roofline.
 
 For each scheme and context length (the cache's capacity per sequence): the largest batch
-whose KV cache fits the budget (or a fixed `--batch`); the cache filled through
+whose KV cache fits the budget (or a fixed `--batch`), smaller where the compiled decode loop
+(state plus XLA's temporaries, large where attention runs in XLA) would not fit the device
+(one device; the row's `batch_limited_by` says so); the cache filled through
 `write_prompt` with random post-RoPE K/V to `context - new tokens` (decode speed does not
 depend on the values, and a real prefill of dozens of long prompts would take minutes);
 then the compiled decode loop, timed per segment of steps: time per output token (p50/p99
@@ -108,14 +110,35 @@ def filled_state(model: Decoder, policy, batch: int, context: int, max_len: int,
     return kv if mesh is None else jax.device_put(kv, kv_policy.state_shardings(kv, mesh))
 
 
-def time_decode(model: Decoder, kv: kv_policy.KVState, *, steps: int, segment: int, warmup: int = 1) -> dict:
+def fit_decode(model: Decoder, policy, batch: int, context: int, new_tokens: int, limit: float):
+    """(batch, program): a batch <= `batch` whose compiled decode loop (`new_tokens` tokens over
+    states of capacity `context`, one device) fits `limit` bytes: its arguments (weights and
+    state; the output aliases the donated state) plus XLA's temporaries, which grow with the
+    batch where attention runs in XLA. The batch shrinks by the measured excess until the
+    program fits; (0, None) when one sequence does not."""
+    while batch >= 1:
+        kv = jax.eval_shape(lambda: policy.init(model.cfg, batch, context))  # as `gen.init_state` makes it
+        program = gen.compile_decode(model, kv, jax.random.key(1), max_new_tokens=new_tokens)
+        use = program.memory_analysis()
+        need = use.argument_size_in_bytes + use.temp_size_in_bytes
+        if need <= limit:
+            return batch, program
+        fixed = weight_bytes(model)
+        batch = min(batch - 1, int(batch * max(limit - fixed, 0) / max(need - fixed, 1)))
+    return 0, None
+
+
+def time_decode(model: Decoder, kv: kv_policy.KVState, *, steps: int, segment: int, warmup: int = 1,
+                program=None) -> dict:
     """Time the compiled decode loop: `warmup` segments, then `steps` tokens in segments of
-    `segment` steps. Returns per-token times (s) of each timed segment and the final state."""
+    `segment` steps (program: `gen.compile_decode`'s for this state and 1 + segment * warmup +
+    steps tokens; None: compiled here). Returns per-token times (s) of each timed segment, the
+    compile seconds (0 when given the program) and the final state."""
     batch = kv.lengths.shape[0]
     key = jax.random.key(1)
     total = 1 + segment * warmup + steps
     t0 = time.perf_counter()
-    program = gen.compile_decode(model, kv, key, max_new_tokens=total)
+    program = program or gen.compile_decode(model, kv, key, max_new_tokens=total)
     compile_s = time.perf_counter() - t0
     marks = [time.perf_counter()]
     _, _, kv = gen.decode(model, kv, jnp.ones((batch,), jnp.int32), key, max_new_tokens=total, program=program,
@@ -164,6 +187,7 @@ class BenchSpec:
     batches: tuple[int, ...] | None = None  # fixed batches instead of the largest that fits the budget
     ttft: tuple[str, ...] | None = None  # schemes whose time to first token is measured (None: every one)
     mesh: jax.sharding.Mesh | None = None  # the devices (models.parallel); None: one device
+    device_bytes: int | None = None  # memory of one device (None: its allocator's limit, where known)
 
 
 def budget_batch(per_seq: int, spec: "BenchSpec") -> int:
@@ -188,25 +212,34 @@ def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpe
         return {**row, "error": f"one sequence of {context} tokens needs {per_seq / GIB:.2f} GiB > the budget"}
     if context <= new_tokens:
         return {**row, "error": f"context {context} must exceed the {new_tokens} decoded tokens"}
-    stats = jax.devices()[0].memory_stats() or {}
+    limit = spec.device_bytes or (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     need = per_device_bytes(model, batch * per_seq, spec.mesh)
-    if "bytes_limit" in stats and need > 0.95 * stats["bytes_limit"]:
-        return {**row, "error": f"needs {need / GIB:.1f} GiB of the device's {stats['bytes_limit'] / GIB:.1f}"}
+    if limit and need > 0.95 * limit:
+        return {**row, "error": f"needs {need / GIB:.1f} GiB of the device's {limit / GIB:.1f}"}
     serve_model, serve_policy = fold_values(model, policy)
+    program, t0 = None, time.perf_counter()
+    if limit and spec.mesh is None:  # the decode's temporaries fit beside the state, or the batch shrinks
+        fit, program = fit_decode(serve_model, serve_policy, batch, context, new_tokens, 0.95 * limit)
+        if fit < 1:
+            return {**row, "error": f"the decode loop of one sequence needs more than {limit / GIB:.1f} GiB"}
+        if fit < batch:
+            row.update(batch=fit, batch_limited_by="the decode loop's temporaries")
+            batch = fit
+    compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     kv = filled_state(serve_model, serve_policy, batch, context - new_tokens, context, mesh=spec.mesh)
     jax.block_until_ready(kv)
     row["fill_s"] = time.perf_counter() - t0
     held = kv_policy.held_bytes(kv)
     row.update(bits_per_element=kv_policy.bits_per_element(kv), kv_bytes=kv_policy.nbytes(kv), kv_held_bytes=held)
-    timed = time_decode(serve_model, kv, steps=spec.steps, segment=spec.segment)
+    timed = time_decode(serve_model, kv, steps=spec.steps, segment=spec.segment, program=program)
     del kv, timed["kv"]
     per_token = timed["per_token_s"]
     p50 = float(np.median(per_token))
     roofline = per_device_bytes(serve_model, held, spec.mesh) / bandwidth
     row.update(tpot_p50_ms=1e3 * p50, tpot_p99_ms=1e3 * float(np.percentile(per_token, 99)),
                decode_tokens_per_s=batch / p50, roofline_ms=1e3 * roofline, step_over_roofline=p50 / roofline,
-               ceiling_vs_bf16=16.0 / row["bits_per_element"], decode_compile_s=timed["decode_compile_s"])
+               ceiling_vs_bf16=16.0 / row["bits_per_element"], decode_compile_s=compile_s + timed["decode_compile_s"])
     if spec.ttft is None or name in spec.ttft:
         row.update(time_to_first_token(serve_model, serve_policy, context, mesh=spec.mesh))
     return row

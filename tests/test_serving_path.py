@@ -206,6 +206,32 @@ def test_oscar_bench_cli_end_to_end(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_bench_shrinks_a_batch_whose_decode_loop_does_not_fit():
+    """int8 attends in XLA, whose temporaries grow with the batch. Given a device whose memory
+    holds the budget's batch of int8 states but not their compiled decode loop (the loop's
+    memory analysis at that batch and at half of it, taken here, brackets the limit), the row
+    runs a batch between the two, says why, and its loop fits the limit."""
+    from oscar_jax.models import bench, registry
+
+    model, _ = registry.load("tests/fixtures/hf_tiny/llama3")
+    policy = kv_policy.make_policy("int8")
+    spec = bench.BenchSpec(("int8",), (512,), steps=4, segment=2, budget_gib=0.004, ttft=())
+    budget = bench.budget_batch(bench.sequence_bytes(model, policy, 512), spec)
+
+    def need(batch):
+        kv = jax.eval_shape(lambda: policy.init(model.cfg, batch, 512))
+        use = gen.compile_decode(model, kv, jax.random.key(1), max_new_tokens=7).memory_analysis()
+        return use.argument_size_in_bytes + use.temp_size_in_bytes
+
+    limit = (need(budget // 2) + need(budget)) / 2
+    assert bench.per_device_bytes(model, budget * bench.sequence_bytes(model, policy, 512), None) < limit
+    row = bench.bench_scheme(model, "int8", policy, 512, dataclasses.replace(spec, device_bytes=int(limit / 0.95)),
+                             bandwidth=1e11)
+    assert budget // 2 <= row["batch"] < budget, (row["batch"], budget)
+    assert row["batch_limited_by"] == "the decode loop's temporaries"
+    assert need(row["batch"]) <= limit and row["decode_tokens_per_s"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.gpu_serving
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
