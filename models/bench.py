@@ -328,41 +328,54 @@ def bench(
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-    from oscar_jax.models import parallel, registry
-    from oscar_jax.models.cli import fail, load_calibration, model_config
+    from oscar_jax.models import parallel
+    from oscar_jax.models.cli import (check_implementation, check_writable, fail, load_calibration,
+                                      load_model, model_config, schemes as scheme_names)
 
-    schemes = tuple(s.strip() for s in kv.split(",") if s.strip())
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype!r}: expected bfloat16 or float32")
+    check_implementation(implementation)
+    schemes = tuple(scheme_names(kv, kv_policy.POLICIES))
+    if rotations and "oscar" not in schemes:
+        fail(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
     try:
         ctx = tuple(_parse_count(c) for c in contexts.split(",") if c.strip())
     except ValueError:
-        raise typer.BadParameter(f"--contexts {contexts!r}: expected counts like 8K,32K,131072") from None
+        fail(f"--contexts {contexts!r}: expected counts like 8K,32K,131072")
+    if not ctx or min(ctx) < 1:
+        fail(f"--contexts {contexts!r}: expected positive counts like 8K,32K,131072")
     try:
         batches = tuple(int(b) for b in batch.split(",")) if batch else None
     except ValueError:
-        raise typer.BadParameter(f"--batch {batch!r}: expected positive ints like 1,8,32") from None
+        fail(f"--batch {batch!r}: expected positive ints like 1,8,32")
     if batches and min(batches) < 1:
-        raise typer.BadParameter(f"--batch {batch!r}: expected positive ints like 1,8,32")
-    if not schemes or not ctx:
-        raise typer.BadParameter("--kv and --contexts need at least one value each")
+        fail(f"--batch {batch!r}: expected positive ints like 1,8,32")
+    if kv_budget_gib <= 0:
+        fail(f"--kv-budget-gib {kv_budget_gib}: expected a budget > 0")
+    ttft = None if ttft_kv is None else tuple(s.strip() for s in ttft_kv.split(",") if s.strip() not in ("", "none"))
+    if ttft and not set(ttft) <= set(schemes):
+        fail(f"--ttft-kv {ttft_kv!r}: expected names from --kv ({', '.join(schemes)}) or 'none'")
+    label = Path(model).name if Path(model).exists() else model
+    out = out or results.default_path("bench/results", f"serving_{label}")
+    check_writable(out, "--out")
+    check_writable(plot_path, "--plot")
+    cfg = model_config(model, random_weights=random_weights)  # (a speed run may pass the model's context)
     device_mesh = None
     if mesh:
         try:
             device_mesh = parallel.parse_mesh(mesh)
-            parallel.check_model(model_config(model, random_weights=random_weights), device_mesh)
+            parallel.check_model(cfg, device_mesh)
         except ValueError as e:
             fail(f"--mesh {mesh}: {e}")
-    decoder, _ = registry.load(model, dtype=jnp.dtype(dtype), random_weights=random_weights, sharding=device_mesh)
     policies = {}
     for name in schemes:
         try:
-            policies[name] = (load_calibration(rotations, decoder.cfg, implementation) if name == "oscar" and rotations
+            policies[name] = (load_calibration(rotations, cfg, implementation) if name == "oscar" and rotations
                               else kv_policy.make_policy(name, implementation=implementation))
         except ValueError as e:
-            raise typer.BadParameter(f"--kv {name}: {e}") from None
-    ttft = None if ttft_kv is None else tuple(s.strip() for s in ttft_kv.split(",") if s.strip() not in ("", "none"))
+            fail(f"--rotations {rotations}: {e}" if name == "oscar" and rotations else f"--kv {name}: {e}")
+    decoder, _ = load_model(model, dtype=jnp.dtype(dtype), random_weights=random_weights, sharding=device_mesh)
     spec = BenchSpec(schemes, ctx, steps, segment, kv_budget_gib, batches, ttft, device_mesh)
-    label = Path(model).name if Path(model).exists() else model
-    out = out or results.default_path("bench/results", f"serving_{label}")
     done = []
     described = lambda r: {"model": label, "dtype": dtype, **({"mesh": mesh} if mesh else {}), **r}
 

@@ -13,6 +13,7 @@ the line that installs it.
 from __future__ import annotations
 
 import importlib
+import math
 import signal
 import sys
 import tempfile
@@ -56,9 +57,12 @@ def model_config(model: str, *, random_weights: bool = False):
     try:
         if random_weights and model in registry.MODELS:
             return registry.architecture(model)
-        if model not in registry.MODELS and not Path(model).exists():
+        if model in registry.CONFIG_ONLY and not random_weights:
+            raise ValueError("ships as a config only: expected --random-weights with it")
+        if model not in registry.MODELS and model not in registry.CONFIG_ONLY and not Path(model).exists():
             raise FileNotFoundError(f"no such file or directory; expected one of {sorted(registry.MODELS)}, "
-                                    f"a .gguf file or an HF checkpoint directory")
+                                    f"{list(registry.CONFIG_ONLY)} (--random-weights), a .gguf file or an HF "
+                                    "checkpoint directory")
         return registry.load_config(model)
     except registry.ModelNotInstalled as e:
         _missing_package(e)
@@ -181,8 +185,8 @@ def generate(
     rotations: Path | None = typer.Option(None, help="calibration artifact directory (--kv oscar)"),
     max_new_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
-    top_p: float = typer.Option(1.0, min=0.0, max=1.0),
-    seed: int = typer.Option(0),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="in (0, 1]"),
+    seed: int = typer.Option(0, min=-(2 ** 63), max=2 ** 63 - 1),
     dtype: str = typer.Option("float32", help="weights and activations: float32 | bfloat16"),
     random_weights: bool = typer.Option(False, help="the named architecture with random weights"),
     implementation: str = typer.Option("auto", help="attend() implementation for OSCAR-cache layers"),
@@ -202,6 +206,10 @@ def generate(
         fail(f"--dtype {dtype!r}: expected float32 or bfloat16")
     if not prompt:
         fail("--prompt is empty: expected the text to continue")
+    if top_p == 0:
+        fail("--top-p 0: expected a value in (0, 1]")
+    if not math.isfinite(temperature):
+        fail(f"--temperature {temperature}: expected a finite value >= 0")
     check_implementation(implementation)
     if rotations and kv != "oscar":
         fail(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")

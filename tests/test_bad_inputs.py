@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from oscar_jax import calibrate as cal
-from oscar_jax.models import calibration, capture, cli, corpus, evaluate, needle, registry
+from oscar_jax.models import bench, calibration, capture, cli, corpus, evaluate, needle, registry
 from oscar_jax.models import generate as gen
 from tiny_gguf import write_tiny_gguf
 
@@ -49,7 +49,8 @@ def _no_model_work(monkeypatch, weights: bool):
     def stop(*args, **kwargs):
         raise _ModelWork("model work started")
 
-    for target, name in ((gen, "generate"), (evaluate, "evaluate"), (calibration, "collect"), (needle, "run")):
+    for target, name in ((gen, "generate"), (evaluate, "evaluate"), (calibration, "collect"), (needle, "run"),
+                         (bench, "run")):
         monkeypatch.setattr(target, name, stop)
     if not weights:
         monkeypatch.setattr(registry, "load", stop)
@@ -86,6 +87,26 @@ GENERATE = [
     (["--model", "{gguf}", "--prompt", "hi", "--rotations", "{root}/existing"], "--rotations", [], False),
     (["--model", "{gguf}", "--prompt", "hi", "--kv", "bf16", "--rotations", "{root}/existing"], "--rotations",
      [], False),
+    (["--model", "{gguf}", "--prompt", "hi", "--top-p", "0"], "--top-p", ["(0, 1]"], False),
+    (["--model", "{gguf}", "--prompt", "hi", "--temperature", "inf"], "--temperature", ["finite"], False),
+    (["--model", "llama3-8b", "--prompt", "hi"], "--model", ["config only", "--random-weights"], False),
+]
+BENCH = [
+    (["--model", "{root}/missing.gguf"], "--model", ["no such file"], False),
+    (["--model", "{root}/junk.gguf"], "--model", ["truncated or corrupt"], False),
+    (["--contexts", "0"], "--contexts", ["positive"], False),
+    (["--contexts", "-8K"], "--contexts", ["positive"], False),
+    (["--kv", "bf16,nope"], "--kv", [], False),
+    (["--kv", "bf16", "--rotations", "{root}/existing"], "--rotations", [], False),
+    (["--kv", "bf16,oscar", "--rotations", "{root}/existing"], "--rotations", ["existing"], False),
+    (["--ttft-kv", "oscar"], "--ttft-kv", ["bf16"], False),
+    (["--kv-budget-gib", "0"], "--kv-budget-gib", [], False),
+    (["--batch", "0"], "--batch", [], False),
+    (["--dtype", "float64"], "--dtype", [], False),
+    (["--implementation", "bogus"], "--implementation", ["'bogus'"], False),
+    (["--out", "{root}/existing"], "--out", ["is a directory"], False),
+    (["--out", "/proc/oscar_test.json"], "--out", ["cannot write"], False),
+    (["--plot", "{root}/a_file/p.png"], "--plot", ["not a directory"], False),
 ]
 EVAL = [
     (["--model", "{root}/missing.gguf", "--text", "{root}/long.txt"], "--model", ["no such file"], False),
@@ -131,6 +152,9 @@ SERVE = [
     (["--model", "{gguf}", "--max-len", "10000"], "--max-len", ["512"], False),
     (["--model", "{gguf}", "--kv", "bf16", "--rotations", "{root}/existing"], "--rotations", [], False),
     (["--model", "{gguf}", "--rotations", "{root}/existing"], "--rotations", [], False),
+    (["--model", "{gguf}", "--prefix-cache-dir", "{root}/a_file"], "--prefix-cache-dir", ["is a file"], False),
+    (["--model", "{gguf}", "--prefix-cache-dir", "/proc/oscar_test_pc"], "--prefix-cache-dir", ["cannot write"],
+     False),
 ]
 CALIBRATE = [
     (["--out", "{root}/existing"], "--out", ["already exists"], False),
@@ -198,6 +222,21 @@ def test_needle_refuses(files, monkeypatch, args, option, also, weights):
     _refused(monkeypatch, _argv("needle", args, files, files / "tiny.gguf"), option, *also, weights=weights)
 
 
+@pytest.mark.parametrize("args, option, also, weights", BENCH, ids=_ids(BENCH))
+def test_bench_refuses(files, monkeypatch, args, option, also, weights):
+    defaults = {"--model": "{gguf}", "--kv": "bf16", "--contexts": "256", "--out": "{root}/bench.json"}
+    argv = _argv("bench", args, files, files / "tiny.gguf", defaults) + ["--random-weights"]
+    _refused(monkeypatch, argv, option, *also, weights=weights)
+    assert not (files / "bench.json").exists()
+
+
+def test_generate_refuses_a_seed_past_int64(files, monkeypatch):
+    _no_model_work(monkeypatch, weights=False)
+    result = CliRunner().invoke(cli.app, ["generate", "--model", str(files / "tiny.gguf"), "--prompt", "hi",
+                                          "--seed", str(2 ** 70)])
+    assert result.exit_code == 2 and "--seed" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("args, option, also, weights", SERVE, ids=_ids(SERVE))
 def test_serve_refuses(files, monkeypatch, args, option, also, weights):
     _refused(monkeypatch, _argv("serve", args, files, files / "tiny.gguf"), option, *also, weights=weights)
@@ -261,3 +300,4 @@ def test_missing_shakespeare_is_one_line(files, monkeypatch, tmp_path):
     monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path))
     _refused(monkeypatch, _argv("eval", ["--model", "{gguf}", "--kv", "bf16", "--context", "256", "--chunk", "32"],
                                 files, files / "tiny.gguf"), "--text shakespeare", corpus.ENV_VAR, weights=True)
+

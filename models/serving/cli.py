@@ -9,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from oscar_jax.models.cli import app, check_implementation, console, fail, kv_policy_for, load_model, model_config
+from oscar_jax.models.cli import (app, check_implementation, check_writable, console, fail, kv_policy_for, load_model,
+                                  model_config)
 
 
 @app.command()
@@ -54,6 +55,10 @@ def serve(
     if dtype not in ("float32", "bfloat16"):
         fail(f"--dtype {dtype!r}: expected float32 or bfloat16")
     check_implementation(implementation)
+    if prefix_cache_dir is not None and prefix_cache_dir.exists() and not prefix_cache_dir.is_dir():
+        fail(f"--prefix-cache-dir {prefix_cache_dir} is a file; expected a directory (restored from, saved to)")
+    if prefix_cache_dir is not None and not prefix_cache_dir.exists():  # saved there at SIGTERM
+        check_writable(prefix_cache_dir, "--prefix-cache-dir", directory=True)
     if rotations and kv != "oscar":
         fail(f"--kv {kv} takes no --rotations; calibrated rotations are for --kv oscar")
     cfg = model_config(model, random_weights=random_weights)
