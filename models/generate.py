@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
-from typing import Callable, Sequence
+from numbers import Integral
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +41,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"Sampling.temperature={self.temperature!r}: expected >= 0")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"Sampling.temperature={self.temperature!r}: expected a finite value >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"Sampling.top_p={self.top_p!r}: expected in (0, 1]")
 
@@ -127,15 +129,14 @@ def prefill(model: Decoder, kv: kv_policy.KVState, tokens, lengths, *, chunk_tok
     `chunk_tokens` tokens (over the batch) at a time. Peak memory: weights + cache + one
     layer's prompt q, k, v and output + one chunk's activations. programs: from
     `compile_prefill` (else each layer program compiles on first use)."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    lengths = jnp.asarray(lengths, jnp.int32)
     b = kv.lengths.shape[0]
-    if tokens.ndim != 2 or tokens.shape[0] != b:
-        raise ValueError(f"tokens.shape={tokens.shape}: expected [B={b}, T]")
-    n = np.asarray(lengths)
-    if n.shape != (b,) or n.min() < 1 or n.max() > tokens.shape[1]:
-        raise ValueError(f"lengths={n.tolist()}: expected [B={b}] ints in [1, T={tokens.shape[1]}]")
-    _check_vocab(model, tokens)
+    t, n = _ints(tokens, "tokens"), _ints(lengths, "lengths")
+    if t.ndim != 2 or t.shape[0] != b:
+        raise ValueError(f"tokens.shape={t.shape}: expected [B={b}, T]")
+    if n.shape != (b,) or n.min() < 1 or n.max() > t.shape[1]:
+        raise ValueError(f"lengths={n.tolist()}: expected [B={b}] ints in [1, T={t.shape[1]}]")
+    _check_vocab(model, t)
+    tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
     kv_policy.check_fits(kv, n)
     model.check_output_basis("prefill", kv)
     x = _embed(model, tokens)
@@ -165,11 +166,12 @@ _extend = jax.jit(_step_logits, donate_argnames=("kv",))
 
 def extend(model: Decoder, kv: kv_policy.KVState, tokens) -> tuple[jax.Array, kv_policy.KVState]:
     """Teacher-forced chunk: tokens int32 [B, C] -> (float32 logits [B, C, V], kv). kv is donated."""
-    tokens = jnp.asarray(tokens, jnp.int32)
+    t = _ints(tokens, "tokens")
     b = kv.lengths.shape[0]
-    if tokens.ndim != 2 or tokens.shape[0] != b:
-        raise ValueError(f"tokens.shape={tokens.shape}: expected [B={b}, C]")
-    _check_vocab(model, tokens)
+    if t.ndim != 2 or t.shape[0] != b or t.shape[1] < 1:
+        raise ValueError(f"tokens.shape={t.shape}: expected [B={b}, C >= 1]")
+    _check_vocab(model, t)
+    tokens = jnp.asarray(tokens, jnp.int32)
     kv_policy.check_fits(kv, np.asarray(kv.lengths) + tokens.shape[1])
     return _extend(model, kv, tokens)
 
@@ -247,8 +249,7 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
     `sampling` and `eos_ids`).
     """
     first = jnp.asarray(first, jnp.int32)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+    _check_count(max_new_tokens, "max_new_tokens")
     if first.shape != kv.lengths.shape:
         raise ValueError(f"first.shape={first.shape}: expected [B={kv.lengths.shape[0]}]")
     if segment < 1:
@@ -288,6 +289,19 @@ def _eos_array(eos_ids: Sequence[int]) -> jax.Array:
     return jnp.asarray(tuple(int(e) for e in eos_ids) or (NO_TOKEN,), jnp.int32)
 
 
+def _ints(x, name: str) -> np.ndarray:
+    """x as a host array of integers (its own dtype, before any int32 cast), or ValueError naming it."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected integer token ids/counts, got dtype {a.dtype}")
+    return a
+
+
+def _check_count(n, name: str) -> None:
+    if not isinstance(n, Integral) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{name}={n!r}: expected an int >= 1")
+
+
 def _check_vocab(model: Decoder, tokens: jax.Array) -> None:
     t = np.asarray(tokens)
     if t.size and (t.min() < 0 or t.max() >= model.cfg.vocab_size):
@@ -297,8 +311,10 @@ def _check_vocab(model: Decoder, tokens: jax.Array) -> None:
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Ragged prompts -> (tokens int32 [B, T_max] right-padded, lengths int32 [B])."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts: expected a non-empty list of non-empty token lists")
+    if isinstance(prompts, (str, bytes)) or len(prompts) == 0 or any(
+            isinstance(p, (str, bytes)) or not isinstance(p, Iterable) or len(p) == 0
+            or not all(isinstance(t, Integral) for t in p) for p in prompts):
+        raise ValueError("prompts: expected a non-empty list of non-empty lists of int token ids")
     lengths = np.array([len(p) for p in prompts], np.int32)
     tokens = np.full((len(prompts), lengths.max()), pad_id, np.int32)
     for i, p in enumerate(prompts):
@@ -329,6 +345,7 @@ def generate(model: Decoder, policy, prompts: Sequence[Sequence[int]], *, max_ne
     """Prefill ragged `prompts` (token id lists), then decode up to `max_new_tokens` each
     (on_segment: as in `decode`, which may end the decoding early). mesh: the KV state's
     device mesh (`init_state`; the model's weights placed by `parallel.shard` or a loader)."""
+    _check_count(max_new_tokens, "max_new_tokens")
     tokens, lengths = pad_prompts(prompts)
     model.cfg.check_context(int(lengths.max()) + max_new_tokens, "the longest prompt + max_new_tokens")
     eos = tuple(model.cfg.eos_token_ids if eos_ids is None else eos_ids)

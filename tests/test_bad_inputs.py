@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from oscar_jax import calibrate as cal
-from oscar_jax.models import bench, calibration, capture, cli, corpus, evaluate, needle, registry
+from oscar_jax.models import bench, calibration, capture, cli, corpus, evaluate, kv_policy, needle, registry
 from oscar_jax.models import generate as gen
+from oscar_jax.models.config import ModelConfig
 from tiny_gguf import write_tiny_gguf
 
 for _module in cli.COMMAND_MODULES:
@@ -300,4 +301,41 @@ def test_missing_shakespeare_is_one_line(files, monkeypatch, tmp_path):
     monkeypatch.setenv(corpus.ENV_VAR, str(tmp_path))
     _refused(monkeypatch, _argv("eval", ["--model", "{gguf}", "--kv", "bf16", "--context", "256", "--chunk", "32"],
                                 files, files / "tiny.gguf"), "--text shakespeare", corpus.ENV_VAR, weights=True)
+
+
+def _tiny_decoder(max_position: int | None = 64):
+    from flax import nnx
+
+    from oscar_jax.models.decoder import Decoder
+
+    cfg = ModelConfig(family="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, rms_eps=1e-6, rope_theta=1e4, layer_types=("full_attention",),
+                      max_position=max_position)
+    return Decoder(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, p: gen.generate(m, p, [[1, 2]], max_new_tokens=0), "max_new_tokens=0: expected an int >= 1"),
+    (lambda m, p: gen.generate(m, p, [[1, 2]], max_new_tokens=-2), "max_new_tokens=-2"),
+    (lambda m, p: gen.generate(m, p, [[1, 2]], max_new_tokens=2.5), "max_new_tokens=2.5"),
+    (lambda m, p: gen.generate(m, p, ["hello"], max_new_tokens=2), "prompts: expected"),
+    (lambda m, p: gen.generate(m, p, [1, 2, 3], max_new_tokens=2), "prompts: expected"),
+    (lambda m, p: gen.generate(m, p, [[1, 2.5]], max_new_tokens=2), "prompts: expected"),
+    (lambda m, p: gen.prefill(m, gen.init_state(m, p, 2, 8), [[1, 2, 3], [4, 5, 0]], [3.7, 2.2]),
+     "lengths: expected integer"),
+    (lambda m, p: gen.prefill(m, gen.init_state(m, p, 2, 8), [[1.5, 2, 3], [4, 5, 0]], [3, 2]),
+     "tokens: expected integer"),
+    (lambda m, p: gen.prefill(m, gen.init_state(m, p, 2, 8), [[1, 2, 3], [4, 5, 0]], np.array([2 ** 33, 2])),
+     r"lengths=\[8589934592, 2\]: expected \[B=2\] ints in \[1, T=3\]"),
+    (lambda m, p: gen.extend(m, gen.init_state(m, p, 2, 8), np.zeros((2, 0), np.int32)), "C >= 1"),
+    (lambda m, p: gen.decode(m, gen.init_state(m, p, 1, 8), [1], None, max_new_tokens=1.5), "max_new_tokens=1.5"),
+    (lambda m, p: gen.Sampling(temperature=float("inf")), "Sampling.temperature=inf"),
+], ids=["new0", "new-2", "new-float", "prompt-str", "prompt-flat", "prompt-float", "lengths-float",
+        "tokens-float", "lengths-int64", "extend-empty", "decode-float", "sampling-inf"])
+def test_generate_api_refuses_before_jit(call, match):
+    """The Python entry points of generation: a ValueError naming the argument, raised on the host
+    before any compiled program runs (none of these calls reaches jit)."""
+    model, policy = _tiny_decoder(), kv_policy.make_policy("bf16", implementation="xla")
+    with pytest.raises(ValueError, match=match):
+        call(model, policy)
 
