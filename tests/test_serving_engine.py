@@ -170,6 +170,51 @@ def test_request_never_fitting_the_pool_is_refused():
         engine.submit(Request((VOCAB,), 2))
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"slots": 0}, "slots=0: expected an int >= 1"),
+    ({"slots": 2.5}, "slots=2.5: expected an int >= 1"),
+    ({"max_len": 0}, "max_len=0: expected an int >= 1"),
+    ({"max_len": -5}, "max_len=-5: expected an int >= 1"),
+    ({"page_tokens": 0, "policy": "fp8"}, "page_tokens=0: expected an int >= 1"),
+    ({"min_bucket": 0}, "min_bucket=0: expected an int >= 1"),
+    ({"max_len": 200}, "max_len=200 = 200 tokens exceeds the model's context length of 128"),
+])
+def test_engine_refuses_bad_arguments_naming_them(kwargs, match):
+    model = _model(("full_attention",))
+    model = type(model)(dataclasses.replace(model.cfg, max_position=128), rngs=nnx.Rngs(0))
+    policy = POLICIES[kwargs.pop("policy", "oscar")]
+    with pytest.raises(ValueError, match=match):
+        Engine(model, policy, **{"slots": SLOTS, "max_len": MAX_LEN, "page_tokens": PAGE, **kwargs})
+
+
+def test_engine_max_len_within_sink_and_window_serves():
+    """A slot shorter than the OSCAR policy's sink + window (4 + 8) still gets one page (the pool
+    cannot be empty), and its greedy tokens are `generate`'s."""
+    model, policy = MODELS["llama"](), POLICIES["oscar"]
+    engine = Engine(model, policy, slots=2, max_len=10, page_tokens=PAGE)
+    req = Request((5, 17, 3, 60, 8), 5)
+    rid = engine.submit(req)
+    assert engine.run()[rid].tokens == _contiguous(model, policy, req, None)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"prompt": "hello"}, "Request.prompt='hello': expected a sequence of int token ids"),
+    ({"prompt": (1, 2.5)}, "Request.prompt=.*expected a sequence of int"),
+    ({"max_tokens": 2.5}, "Request.max_tokens=2.5: expected an int"),
+    ({"seed": 2 ** 40}, r"Request.seed=1099511627776: expected an int in \[-2\*\*31, 2\*\*31\)"),
+    ({"stop_ids": 5}, "Request.stop_ids=5: expected a sequence of int"),
+    ({"temperature": float("inf")}, "Request.temperature=inf: expected a finite value"),
+])
+def test_request_fields_are_checked_and_the_engine_goes_on(kwargs, match):
+    """A bad field is refused where the Request is made (a seed past int32 or an int stop_ids used
+    to pass and then stop every running request at the next step); the engine goes on serving."""
+    with pytest.raises(ValueError, match=match):
+        Request(**{"prompt": (1, 2, 3), "max_tokens": 3, **kwargs})
+    engine = Engine(MODELS["llama"](), POLICIES["fp8"], slots=1, max_len=16)
+    rid = engine.submit(Request(np.array([1, 2, 3]), 3, stop_ids=[96]))  # arrays and lists of ints are taken
+    assert engine.requests[rid].prompt == (1, 2, 3) and len(engine.run()[rid].tokens) == 3
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=12),
        st.integers(3, 12), st.integers(1, 4), st.data())

@@ -102,6 +102,11 @@ class Engine:
         if model.values_folded:
             raise ValueError("Engine serves unfolded decoders (decoder.fold_values's pair is not supported yet)")
         cfg = model.cfg
+        for name, value in (("slots", slots), ("max_len", max_len), ("page_tokens", page_tokens),
+                            ("min_bucket", min_bucket)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected an int >= 1")
+        cfg.check_context(max_len, f"max_len={max_len}")
         self.model, self.policy, self.slots = model, policy, slots
         self._part_policy = kv_policy.with_implementation(policy, chunk_attention)
         if prefill_chunk is not None and (prefill_chunk < 1 or chunks_per_step < 1):
@@ -114,7 +119,8 @@ class Engine:
         if self.paged:
             spec = policy.cache_spec(cfg, slots, max_len, self._chunk)
             paged.check_page_tokens(spec, page_tokens)
-            pages_per_seq = int(paged.pages_for(spec.max_len, spec, page_tokens))
+            # At least one page: a pool of none cannot be made (max_len within the sink + window).
+            pages_per_seq = max(1, int(paged.pages_for(spec.max_len, spec, page_tokens)))
             self.capacity = spec.sink + spec.window + pages_per_seq * page_tokens
             self.num_pages = num_pages if num_pages is not None else slots * pages_per_seq
             self._spec = dataclasses.replace(spec, max_len=self.capacity)
