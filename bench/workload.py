@@ -34,6 +34,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -60,7 +61,7 @@ TINY_OSCAR = kv_policy.QuantPolicy("oscar", kv_policy.QuantConfig(bits=2), 4, 8,
 
 def workload(args, rng: np.random.Generator, vocab: int) -> tuple[list[tuple[float, Request]], int]:
     """(arrival seconds, request) pairs in arrival order, and how many start with the shared prefix."""
-    scaled = lambda lo_hi: tuple(max(1, round(int(x) * args.scale)) for x in lo_hi.split(","))
+    scaled = lambda lo_hi: tuple(max(1, round(x * args.scale)) for x in lo_hi)
     (lo, hi), (out_lo, out_hi) = scaled(args.prompt_tokens), scaled(args.output_tokens)
     shared_len = max(1, round(args.shared_prefix * args.scale))
     shared = rng.integers(0, vocab, shared_len).tolist()
@@ -97,12 +98,16 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: 
     page = max(16, round(args.page_tokens * args.scale)) if tiny else args.page_tokens
     chunk = None if args.whole_prompts and not prefix else page
     budget = args.kv_gib * 2**30
+    # Never more slots than requests, nor more pages than they could all hold at once with every
+    # prompt's pages cached besides (a budget far past the workload would only allocate unused memory).
     if isinstance(policy, kv_policy.QuantPolicy):
-        pages = max(1, int(budget // page_bytes(policy, cfg, max_len, chunk, page)))
-        slots = args.oscar_slots
+        spec = policy.cache_spec(cfg, 1, max_len, chunk or 1)
+        most = 2 * args.requests * max(1, int(paged.pages_for(spec.max_len, spec, page)))
+        pages = max(1, min(most, int(budget // page_bytes(policy, cfg, max_len, chunk, page))))
+        slots = min(args.oscar_slots, args.requests)
     else:
         token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(policy.dtype).itemsize
-        slots, pages = max(1, int(budget // (token_bytes * max_len))), None
+        slots, pages = max(1, min(args.requests, int(budget // (token_bytes * max_len)))), None
     return Engine(model, policy, slots=slots, max_len=max_len, page_tokens=page, num_pages=pages,
                   min_bucket=1 << (shortest.bit_length() - 1), prefill_chunk=chunk,
                   chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills, prefix_cache=prefix,
@@ -173,6 +178,48 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _range(text: str) -> tuple[int, int]:
+    """"LO,HI" -> (LO, HI) with 1 <= LO <= HI, else argparse's error naming the option."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO,HI ints") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= LO <= HI")
+    return lo, hi
+
+
+def _check_args(p: argparse.ArgumentParser, args, modes: dict) -> None:
+    """`p.error` (usage, the option named, exit 2) on a value no run can use, before any model work."""
+    positive = {"--requests": args.requests, "--shared-prefix": args.shared_prefix,
+                "--oscar-slots": args.oscar_slots, "--page-tokens": args.page_tokens,
+                "--chunks-per-step": args.chunks_per_step, "--max-prefills": args.max_prefills}
+    for option, value in positive.items():
+        if value < 1:
+            p.error(f"{option} {value}: expected an int >= 1")
+    for option, value in {"--rate": args.rate, "--scale": args.scale, "--kv-gib": args.kv_gib}.items():
+        if not (value > 0 and math.isfinite(value)):
+            p.error(f"{option} {value}: expected a finite number > 0")
+    if not 0 <= args.shared_fraction <= 1:
+        p.error(f"--shared-fraction {args.shared_fraction}: expected a fraction in [0, 1]")
+    if any(m not in modes for m in args.prefix_cache.split(",")):
+        p.error(f"--prefix-cache {args.prefix_cache!r}: expected off, on or off,on")
+    unknown = [k for k in args.kv.split(",") if k not in kv_policy.POLICIES]
+    if unknown:
+        p.error(f"--kv {args.kv!r}: expected comma-separated names from {', '.join(kv_policy.POLICIES)}")
+    if args.dtype not in ("bfloat16", "float32"):
+        p.error(f"--dtype {args.dtype!r}: expected bfloat16 or float32")
+    if args.out.is_dir():
+        p.error(f"--out {args.out} is a directory; expected a JSON file path")
+    ancestor = args.out.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:
+        tempfile.TemporaryFile(dir=ancestor).close()
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot write under {ancestor} ({e.strerror or e})")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3-8b", help="a config-only architecture (random weights) or 'tiny'")
@@ -180,10 +227,11 @@ def main(argv=None) -> None:
     p.add_argument("--prefix-cache", default="off,on", help="off, on or off,on")
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests per second")
-    p.add_argument("--prompt-tokens", default="4096,32768", help="LO,HI: prompt lengths uniform in [LO, HI]")
+    p.add_argument("--prompt-tokens", type=_range, default="4096,32768",
+                   help="LO,HI: prompt lengths uniform in [LO, HI]")
     p.add_argument("--shared-prefix", type=int, default=8192, help="tokens of the common prefix")
     p.add_argument("--shared-fraction", type=float, default=0.5, help="share of the requests that start with it")
-    p.add_argument("--output-tokens", default="512,2048", help="LO,HI: output lengths uniform in [LO, HI]")
+    p.add_argument("--output-tokens", type=_range, default="512,2048", help="LO,HI: output lengths uniform in [LO, HI]")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every length (prompts, prefix, outputs)")
     p.add_argument("--kv-gib", type=float, default=48.0, help="KV memory budget per run")
     p.add_argument("--oscar-slots", type=int, default=64, help="decode batch of the OSCAR runs")
@@ -198,12 +246,9 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="JSON path (a .png is written beside it)")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
-    if args.requests < 1 or args.rate <= 0 or not 0 <= args.shared_fraction <= 1 or args.scale <= 0:
-        sys.exit("--requests >= 1, --rate > 0, --shared-fraction in [0, 1] and --scale > 0 expected")
     modes = {"off": False, "on": True}
-    if any(m not in modes for m in args.prefix_cache.split(",")):
-        sys.exit(f"--prefix-cache {args.prefix_cache!r}: expected off, on or off,on")
+    _check_args(p, args, modes)
+    signal.signal(signal.SIGTERM, lambda *_: STOP.set())
     if args.model == "tiny":
         cfg = TINY
         model = Decoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(args.dtype))

@@ -339,3 +339,59 @@ def test_generate_api_refuses_before_jit(call, match):
     with pytest.raises(ValueError, match=match):
         call(model, policy)
 
+
+def _workload_module():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "bench" / "workload.py"
+    spec = importlib.util.spec_from_file_location("bench_workload", path)
+    workload = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workload)
+    return workload
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--prompt-tokens", "32768,4096"], "--prompt-tokens"),
+    (["--output-tokens", "2048,512"], "--output-tokens"),
+    (["--prompt-tokens", "4096"], "--prompt-tokens"),
+    (["--prompt-tokens", "0,8"], "--prompt-tokens"),
+    (["--shared-fraction", "1.5"], "--shared-fraction"),
+    (["--shared-fraction", "-0.1"], "--shared-fraction"),
+    (["--rate", "0"], "--rate"),
+    (["--rate", "-1"], "--rate"),
+    (["--rate", "nan"], "--rate"),
+    (["--kv-gib", "-1"], "--kv-gib"),
+    (["--shared-prefix", "-5"], "--shared-prefix"),
+    (["--oscar-slots", "0"], "--oscar-slots"),
+    (["--max-prefills", "0"], "--max-prefills"),
+    (["--kv", "bf16,nope"], "--kv"),
+    (["--dtype", "nope"], "--dtype"),
+    (["--out", "{root}/existing"], "--out"),
+    (["--out", "/proc/oscar_test.json"], "--out"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_workload_refuses_before_any_model_work(files, monkeypatch, capsys, args, option):
+    workload = _workload_module()
+    monkeypatch.setattr(workload, "Decoder", lambda *a, **k: (_ for _ in ()).throw(_ModelWork("model built")))
+    argv = ["--model", "tiny", "--kv-gib", "0.0002", "--out", str(files / "w.json")]
+    with pytest.raises(SystemExit) as exit_info:
+        workload.main(argv + [a.format(root=files) for a in args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: " in err and option in err.split("error: ")[-1], err
+
+
+def test_workload_engines_stay_within_the_workload(monkeypatch):
+    """A KV budget far past the workload (the default 48 GiB with the tiny model on a CPU) gives
+    no more slots than requests, nor more pages than every request's whole sequence and cached
+    prompt pages take: nothing is allocated that could not be used."""
+    workload = _workload_module()
+    made = {}
+    monkeypatch.setattr(workload, "Engine", lambda model, policy, **kw: made.update(kw) or kw)
+    args = workload.argparse.Namespace(model="tiny", page_tokens=256, scale=1.0, whole_prompts=False, kv_gib=48.0,
+                                       oscar_slots=64, requests=4, chunks_per_step=1, max_prefills=1,
+                                       chunk_attention=None)
+    for kv in ("bf16", "oscar"):
+        workload.engine_for(None, workload.TINY, kv, True, args, max_len=100, shortest=8)
+        assert made["slots"] <= 4, (kv, made["slots"])
+        assert made["num_pages"] is None or made["num_pages"] <= 2 * 4 * 1, (kv, made["num_pages"])  # 1 page each
