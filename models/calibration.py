@@ -12,6 +12,7 @@ windows of the serving context after the held-aside ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -170,6 +171,8 @@ def calibrate(
         cli.fail(f"--learn-tokens {learn_tokens}: expected one --seq-len {seq_len} window to --tokens {tokens}")
     candidates, segments, context_tokens = (), ((sink, window),), 0
     if target_bpe is not None:
+        if not (target_bpe > 0 and math.isfinite(target_bpe)):
+            cli.fail(f"--target-bpe {target_bpe}: expected a finite number of bits/element > 0")
         g = group_size or cfg.head_dim
         listed = budget_candidates or ",".join(f"{b}:{x}" for b in (2, 4) for x in dict.fromkeys((g, max(g // 2, 1))))
         try:

@@ -173,6 +173,8 @@ CALIBRATE = [
     (["--compare", "uhp,nope"], "--compare", [], False),
     (["--compare", "uhp,learned:learned/head"], "--compare", ["both be per head"], False),
     (["--target-bpe", "2.5"], "--target-bpe", ["cheapest candidate costs"], False),
+    (["--target-bpe", "nan"], "--target-bpe", ["finite number"], False),
+    (["--target-bpe", "inf"], "--target-bpe", ["finite number"], False),
     (["--target-bpe", "3", "--budget-candidates", "2:64,3"], "--budget-candidates", ["bits=3"], False),
     (["--target-bpe", "3", "--budget-candidates", "2:128"], "--budget-candidates", ["does not divide"], False),
     (["--target-bpe", "3.5", "--budget-segments", "8+x"], "--budget-segments", ["SINK+WINDOW"], False),

@@ -212,6 +212,8 @@ def test_request_fields_are_checked_and_the_engine_goes_on(kwargs, match):
         Request(**{"prompt": (1, 2, 3), "max_tokens": 3, **kwargs})
     engine = Engine(MODELS["llama"](), POLICIES["fp8"], slots=1, max_len=16)
     rid = engine.submit(Request(np.array([1, 2, 3]), 3, stop_ids=[96]))  # arrays and lists of ints are taken
+    with pytest.raises(ValueError, match="rid=7"):
+        engine.cancel(7)
     assert engine.requests[rid].prompt == (1, 2, 3) and len(engine.run()[rid].tokens) == 3
 
 

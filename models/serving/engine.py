@@ -255,6 +255,8 @@ class Engine:
     def cancel(self, rid: int) -> None:
         """Stop request `rid` now (a client went away): its slot and pages are freed, its result
         keeps the tokens so far with finish "cancelled". A finished request is left as it is."""
+        if rid not in self._seqs:
+            raise ValueError(f"rid={rid!r}: no request of this engine has that id")
         seq, result = self._seqs[rid], self.results[rid]
         if result.finish is not None:
             return
