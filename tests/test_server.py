@@ -126,6 +126,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
         ({**ok, "max_tokens": 0}, 400, "max_tokens"),
         ({**ok, "temperature": -1}, 400, "temperature"),
         ({**ok, "prompt": "hello " * 1100}, 400, "prompt"),  # longer than a slot's 1024 tokens
+        ({**ok, "prompt": [1, 2, 3.5]}, 400, "prompt"),
+        ({**ok, "prompt": [True, False]}, 400, "prompt"),
+        ({**ok, "prompt": []}, 400, "prompt"),
         ({**ok, "model": "gpt-4"}, 404, "model"),
         ({**ok, "prompt": "x" * 70000}, 413, None),  # past --max-body-bytes
         ({**ok, "n": 2}, 400, "n"),

@@ -95,11 +95,11 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")  # before the union: an error names `prompt`, not a branch
     @classmethod
     def _prompt(cls, v):
-        if not v:
-            raise ValueError("prompt: expected a non-empty string or list of token ids")
+        if not (isinstance(v, str) or isinstance(v, list) and all(type(t) is int for t in v)) or not v:
+            raise ValueError("expected a non-empty string or list of int token ids")
         return v
 
 
