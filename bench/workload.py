@@ -241,7 +241,8 @@ def main(argv=None) -> None:
     p.add_argument("--chunks-per-step", type=int, default=8, help="prefill chunks between two decode steps")
     p.add_argument("--max-prefills", type=int, default=1, help="prompts prefilling at once (admission waits)")
     p.add_argument("--chunk-attention", default=None,
-                   help="attention implementation of the prefill chunks (default: the cache's, as decode)")
+                   help="attention implementation of the prefill chunks (default: cudnn for oscar on a GPU, "
+                        "else the cache's, as decode)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations: bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="JSON path (a .png is written beside it)")
@@ -269,7 +270,7 @@ def main(argv=None) -> None:
             row.update(warm_up_compiles=warm, compiles_timed=engine.compiles - compiled, rate_per_s=args.rate,
                        scale=args.scale, shared_prefix=shared_len, shared_requests=shared, kv_gib=args.kv_gib,
                        prefill_chunk=engine.chunk, chunks_per_step=args.chunks_per_step,
-                       max_prefills=args.max_prefills, chunk_attention=args.chunk_attention or "policy")
+                       max_prefills=args.max_prefills, chunk_attention=engine.chunk_attention or "policy")
             rows.append(row)
             f = lambda x: "-" if x is None else f"{x:.2f}"
             print(f"{kv:6s} prefix {mode:3s}: {row['requests_per_s']:.3f} req/s, {row['output_tokens_per_s']:.1f} "

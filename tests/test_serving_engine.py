@@ -19,6 +19,7 @@ from oscar_jax.models import kv_policy
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder
 from oscar_jax.models.serving import Engine, Request
+from oscar_jax.models.serving.engine import default_chunk_attention
 from oscar_jax.models.serving.scheduler import Scheduler
 
 VOCAB = 97
@@ -160,6 +161,13 @@ def test_chunk_attention_picks_the_extend_chunks_implementation_only():
                                (kv_policy.make_policy("kivi"), "xla", "no implementation choice")):
         with pytest.raises(ValueError, match=f"implementation={name!r}: policy .* takes {choices}"):
             Engine(model, pol, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, chunk_attention=name)
+    assert default.chunk_attention is None  # on CPU the policy's own
+    cfg = model.cfg
+    assert default_chunk_attention(policy, cfg, "gpu") == "cudnn"
+    triton = dataclasses.replace(policy, implementation="pallas")
+    for pol, backend in ((policy, "cpu"), (policy, "tpu"), (triton, "gpu"), (POLICIES["fp8"], "gpu")):
+        assert default_chunk_attention(pol, cfg, backend) is None, (pol.name, backend)
+    assert default_chunk_attention(policy, dataclasses.replace(cfg, head_dim=12), "gpu") is None
 
 
 def test_request_never_fitting_the_pool_is_refused():

@@ -31,7 +31,8 @@ def serve(
     chunks_per_step: int = typer.Option(1, min=1, help="prefill chunks run between two decode steps"),
     max_prefills: int | None = typer.Option(None, min=1, help="prompts prefilling at once (default: no limit)"),
     chunk_attention: str | None = typer.Option(None, help="attention of the prefill chunks: auto, xla, pallas, "
-                                                          "cudnn, ... (default: --kv's, as decode)"),
+                                                          "cudnn, ... (default: cudnn for oscar on a GPU, else "
+                                                          "--kv's, as decode)"),
     warm_up: bool = typer.Option(True, help="compile every serving program before taking requests"),
     prefix_cache: bool = typer.Option(False, help="keep prompt prefixes' KV for later prompts (docs/paged.md)"),
     prefix_cache_dir: Path | None = typer.Option(None, help="restore the prefix cache from DIR at start (if there) "
