@@ -178,8 +178,9 @@ def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCa
     Query c (position n + c, n the tokens held before) sees the tokens before the chunk as the
     cache holds them after the append (sink and ring bf16, history quantised) and the chunk's
     own tokens 0..c as written (bf16), causally. C <= W: exactly `updates.append` then `attend`
-    (the chunk lies in the ring). C > W: in XLA (`reference.attend(own=...)`), whatever
-    `implementation` "auto" names; an explicit kernel raises (kernels attend chunks of <= W).
+    (the chunk lies in the ring). C > W: cuDNN for implementation "cudnn" (`flash_attend` with
+    the chunk's own tokens), else XLA (`reference.attend(own=...)`), whatever "auto" names; an
+    explicit Pallas kernel raises (they attend chunks of <= W).
     history_offset: the cache holds a history slice (`attend`'s); the append writes only the
     history tokens inside it and the result is the slice's partial.
     """
@@ -196,6 +197,9 @@ def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCa
     if c <= spec.window:
         o, lse = attend(q, cache, layer_params, implementation=implementation, softmax_scale=softmax_scale,
                         interpret=interpret, history_offset=history_offset)
+    elif implementation == "cudnn":
+        _refuse_seq(history_offset)
+        o, lse = flash_attend(q, cache, layer_params, softmax_scale, own=updates.stored_kv(k, v, layer_params))
     else:
         o, lse = reference.attend(q, cache, layer_params, softmax_scale, own=updates.stored_kv(k, v, layer_params),
                                   history_offset=history_offset)
@@ -203,12 +207,16 @@ def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCa
 
 
 def flash_attend(q: jax.Array, cache: OscarCache, params: LayerParams, softmax_scale: float | None = None, *,
+                 own: tuple[jax.Array, jax.Array] | None = None,
                  implementation: str = "cudnn") -> tuple[jax.Array, jax.Array]:
-    """`reference.attend` (C <= W queries, the chunk appended) through a flash kernel: the sink,
-    the dequantised history and the ring as one bf16 key sequence [ring W, sink S0, history T]
-    (the held tokens a prefix of it, so the kernel stops at them), the positions a query may
-    not see masked, `jax.nn.dot_product_attention` of `implementation` ("cudnn" on GPU; "xla"
-    anywhere, for tests). No [C, T] f32 scores exist and the codes are read once per chunk.
+    """`reference.attend` of a chunk the cache has taken, through a flash kernel: one bf16 key
+    sequence [front, sink S0, history T (dequantised)], the held tokens a prefix of it (the
+    kernel stops at them), the positions a query may not see masked, and
+    `jax.nn.dot_product_attention` of `implementation` ("cudnn" on GPU; "xla" anywhere, for
+    tests). The front is the ring W (C <= W queries) or, with `own` (C > W: the chunk's K/V as
+    stored, `updates.stored_kv`, bf16 [B, Hkv, C, D] each), the chunk's own tokens, which then
+    see the tokens before the chunk through the sink and history. No [C, T] f32 scores exist
+    and the codes are read once per chunk.
 
     q [B, C, Hq, D] -> (o [B, C, Hq, D] in q.dtype, lse f32 [B, C, Hq]: cuDNN gives it in bf16,
     so it is exact to bf16 only; sequence parallelism, which merges partials by it, refuses
@@ -221,29 +229,41 @@ def flash_attend(q: jax.Array, cache: OscarCache, params: LayerParams, softmax_s
     n = cache.lengths
     hist_k = cache.dequantized_hist("k")
     t = hist_k.shape[-2]
-    keys = lambda ring, sink, hist: jnp.swapaxes(
-        jnp.concatenate([ring, sink, hist.astype(jnp.bfloat16)], axis=2), 1, 2)  # [B, W + S0 + T, Hkv, D]
-    k = keys(cache.recent_k, cache.sink_k, hist_k)
-    v = keys(cache.recent_v, cache.sink_v, cache.dequantized_hist("v"))
-    key_pos = jnp.concatenate([ring_positions(n, s0, w),  # -1: an empty slot
-                               jnp.broadcast_to(jnp.arange(s0 + t), (b, s0 + t))], axis=1)  # [B, S]
-    # The held history ends at position n - W (its later slots are the ring's tokens): the key
-    # lengths stop there. Sink positions past n and the chunk's later tokens fall to `<= qp`.
-    held_keys = (w + s0 + jnp.clip(n - w - s0, 0, t)).astype(jnp.int32)
+    if own is None:  # the ring: the held history ends at position n - W, where the key lengths stop
+        (front_k, front_v), front_pos = (cache.recent_k, cache.recent_v), ring_positions(n, s0, w)  # -1: empty
+        held_keys = w + s0 + jnp.clip(n - w - s0, 0, t)
+    else:  # the chunk's own tokens: the history before the chunk ends at position n - C
+        (front_k, front_v), front_pos = own, (n - c)[:, None] + jnp.arange(c)
+        held_keys = c + s0 + jnp.clip(n - c - s0, 0, t)
+    keys = lambda front, sink, hist: jnp.swapaxes(
+        jnp.concatenate([front, sink, hist.astype(jnp.bfloat16)], axis=2), 1, 2)  # [B, F + S0 + T, Hkv, D]
+    k = keys(front_k, cache.sink_k, hist_k)
+    v = keys(front_v, cache.sink_v, cache.dequantized_hist("v"))
+    key_pos = jnp.concatenate([front_pos, jnp.broadcast_to(jnp.arange(s0 + t), (b, s0 + t))], axis=1)  # [B, S]
+    # Sink positions past n and the chunk's later tokens fall to `<= qp`; with `own`, the chunk's
+    # tokens the sink or history took are seen in the front only (the key lengths let the kernel
+    # stop early; the mask decides).
     visible = (key_pos[:, None] >= 0) & (key_pos[:, None] <= reference.query_positions(n, c)[..., None])  # [B, C, S]
+    if own is not None:
+        visible &= (jnp.arange(key_pos.shape[1]) < c) | (key_pos < (n - c)[:, None])[:, None]
     o, lse = jax.nn.dot_product_attention(rotate_queries(q, params).astype(jnp.bfloat16), k, v,
-                                          mask=visible[:, None], scale=scale, key_value_seq_lengths=held_keys,
+                                          mask=visible[:, None], scale=scale,
+                                          key_value_seq_lengths=held_keys.astype(jnp.int32),
                                           implementation=implementation, return_residual=True)
     if not params.v_folded:
         o = rotate_back(o, params)
     return o.astype(q.dtype), reference.shift_lse(lse.astype(jnp.float32), q, params, scale)
 
 
-def _cudnn_attend(q, cache: OscarCache, params: LayerParams, softmax_scale=None, interpret: bool = False,
-                  history_offset=None):
+def _refuse_seq(history_offset) -> None:
     if history_offset is not None:
         raise ValueError("implementation='cudnn' gives a bf16 log-sum-exp, too coarse to merge sequence-parallel "
                          "partials; use 'auto' or a kernel implementation under a seq mesh axis")
+
+
+def _cudnn_attend(q, cache: OscarCache, params: LayerParams, softmax_scale=None, interpret: bool = False,
+                  history_offset=None):
+    _refuse_seq(history_offset)
     return flash_attend(q, cache, params, softmax_scale)
 
 

@@ -100,6 +100,28 @@ def test_chunk_attention_equals_the_float64_oracle(c):
         np.testing.assert_allclose(lse[b], lse_ref, atol=2e-5, rtol=2e-5, err_msg=f"row {b}")
 
 
+@pytest.mark.parametrize("c", [W + 5, 3 * W + 5])
+def test_flash_attention_of_long_chunks_equals_the_float64_oracle(c):
+    """C > W through `flash_attend(own=...)`, the path of implementation "cudnn" (here jax's XLA
+    attention, bf16 like cuDNN's): the float64 oracle's outputs within bf16 rounding (queries,
+    keys, probabilities and output in bf16), rows starting at 0, inside the ring and past it."""
+    rng, spec, params = _setup(100 + c)
+    lengths = [0, 6, int(rng.integers(S0 + W + 1, MAX_LEN - c + 1))]
+    cache, k0, v0 = _prompt(rng, spec, params, lengths)
+    k, v = random_kv(rng, spec.batch, c, HKV, D), random_kv(rng, spec.batch, c, HKV, D)
+    q = random_kv(rng, spec.batch, c, HKV * G, D)
+    scale = D ** -0.5
+    flash = jax.jit(lambda q, k, v, cache, params: attention.flash_attend(
+        q, _append(cache, k, v, params), params, own=updates.stored_kv(k, v, params), implementation="xla"))
+    o, lse = flash(q, k, v, cache, params)
+    for b, n0 in enumerate(lengths):
+        keys = np.concatenate([k0[b, :n0], k[b]])
+        values = np.concatenate([v0[b, :n0], v[b]])
+        o_ref, lse_ref = _oracle_attention(spec, params, keys, values, q[b], n0, scale)
+        np.testing.assert_allclose(o[b], o_ref, atol=3e-2 * np.abs(o_ref).max(), rtol=0, err_msg=f"row {b}")
+        np.testing.assert_allclose(lse[b], lse_ref, atol=2e-2, rtol=1e-2, err_msg=f"row {b}")
+
+
 def test_chunks_within_the_window_are_append_then_attend():
     """C <= W: exactly `updates.append` then `attend`, the contract decode and the kernels follow."""
     rng, spec, params = _setup(7)

@@ -294,27 +294,29 @@ def test_gpu_dense_chunk_on_cudnn_matches_float32(dtype):
 @pytest.mark.gpu
 @pytest.mark.gpu_serving
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("chunk", [64, 320])
 @pytest.mark.parametrize("name", ["bf16", "fp8", "oscar"])
-def test_gpu_extend_chunks_on_cudnn_match_the_xla_path(name):
-    """On the GPU, bf16 weights: ragged prompts (300 and 177 tokens) then three extend chunks of
-    64 tokens whose attention runs on cuDNN's flash attention (the dense caches' "auto", fp8
-    read as bf16; OSCAR's "cudnn", the cache dequantised to bf16 with its sink and ring in
-    front) against the same chunks through XLA attention: logits within bf16 rounding of each
-    other, and the greedy tokens agree."""
+def test_gpu_extend_chunks_on_cudnn_match_the_xla_path(name, chunk):
+    """On the GPU, bf16 weights: ragged prompts (300 and 177 tokens) then extend chunks of 64
+    tokens (three) or 320 (two; longer than OSCAR's window of 256) whose attention runs on
+    cuDNN's flash attention (the dense caches' "auto", fp8 read as bf16; OSCAR's "cudnn", the
+    cache dequantised to bf16 with its ring, or the chunk's own tokens, in front) against the
+    same chunks through XLA attention: logits within bf16 rounding of each other, and the
+    greedy tokens agree."""
     model = Decoder(dataclasses.replace(LLAMA, head_dim=128, num_heads=8, num_kv_heads=2, hidden_size=256),
                     rngs=nnx.Rngs(3), dtype=jnp.bfloat16)
     rng = np.random.default_rng(12)
     lengths = np.array([300, 177], np.int32)
     tokens = rng.integers(0, 64, (2, 300)).astype(np.int32)
-    chunks = rng.integers(0, 64, (3, 2, 64)).astype(np.int32)
+    chunks = rng.integers(0, 64, (3 if chunk == 64 else 2, 2, chunk)).astype(np.int32)
     runs = []
     for implementation in ("cudnn" if name == "oscar" else "auto", "xla"):
         policy = kv_policy.with_implementation(kv_policy.make_policy(name), implementation)
-        kv = gen.init_state(model, policy, 2, 512, chunk=64)
+        kv = gen.init_state(model, policy, 2, 1024, chunk=chunk)
         _, kv = gen.prefill(model, kv, tokens, lengths)
         out = []
-        for chunk in chunks:
-            logits, kv = gen.extend(model, kv, chunk)
+        for tokens_c in chunks:
+            logits, kv = gen.extend(model, kv, tokens_c)
             out.append(np.asarray(logits))
         runs.append(np.stack(out))
     scale = np.abs(runs[1]).max()
