@@ -19,7 +19,7 @@ from oscar_jax.models import kv_policy
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder
 from oscar_jax.models.serving import Engine, Request
-from oscar_jax.models.serving.engine import default_chunk_attention
+from oscar_jax.models.serving.programs import default_chunk_attention
 from oscar_jax.models.serving.scheduler import Scheduler
 
 VOCAB = 97

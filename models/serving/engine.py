@@ -81,15 +81,6 @@ class _Fill:
     taken: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
 
-def default_chunk_attention(policy, cfg, backend: str | None = None) -> str | None:
-    """Prefill chunks' attention where the engine is not told: on a GPU, cuDNN over the
-    dequantised cache for an OSCAR policy left to "auto" (3.2x the Triton kernel a 256-token
-    chunk deep in a 32K prompt at the 8B shape, docs/paged.md §6); else None, the policy's."""
-    oscar_auto = isinstance(policy, kv_policy.QuantPolicy) and policy.implementation == "auto"
-    fits = cfg.head_dim <= 256 and cfg.head_dim % 8 == 0  # cuDNN's flash attention
-    return "cudnn" if (backend or jax.default_backend()) == "gpu" and oscar_auto and fits else None
-
-
 class Engine:
     """Continuous batching of `Request`s through one decoder (module docstring).
 
@@ -101,7 +92,7 @@ class Engine:
     cut them every page_tokens too); prefix_cache_bytes: host memory its snapshots and dense
     rows may take before unreferenced entries are evicted; chunk_attention: the attention
     implementation of prefill's extend chunks (a policy implementation name; None:
-    `default_chunk_attention`); decode keeps the policy's either way.
+    `programs.default_chunk_attention`); decode keeps the policy's either way.
     """
 
     def __init__(self, model, policy, *, slots: int, max_len: int, page_tokens: int = 256,
@@ -117,7 +108,7 @@ class Engine:
                 raise ValueError(f"{name}={value!r}: expected an int >= 1")
         cfg.check_context(max_len, f"max_len={max_len}")
         self.model, self.policy, self.slots = model, policy, slots
-        self.chunk_attention = chunk_attention or default_chunk_attention(policy, cfg)
+        self.chunk_attention = chunk_attention or programs.default_chunk_attention(policy, cfg)
         self._part_policy = kv_policy.with_implementation(policy, self.chunk_attention)
         if prefill_chunk is not None and (prefill_chunk < 1 or chunks_per_step < 1):
             raise ValueError(f"prefill_chunk={prefill_chunk}, chunks_per_step={chunks_per_step}: expected >= 1")

@@ -1,7 +1,8 @@
-"""The serving engine's device programs (`engine.Engine` calls them): one decode step of every
-slot with per-row sampling, a prefilled row's insertion into a slot and its pages, and a slot's
-copies to and from host memory for swapping. Each is jitted once per shape; those that take the
-engine's state donate it, so the pool is updated in place."""
+"""The serving engine's device programs (`engine.Engine` calls them): one decode step of every slot
+with per-row sampling, a prefilled row's insertion into a slot and its pages, and a slot's
+copies to and from host memory for swapping; and the attention its prefill chunks run. Each is
+jitted once per shape; those that take the engine's state donate it, so the pool is updated in
+place."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ import jax.numpy as jnp
 
 from oscar_jax import paged
 from oscar_jax.models import generate, kv_policy
+
+
+def default_chunk_attention(policy, cfg, backend: str | None = None) -> str | None:
+    """Prefill chunks' attention where the engine is not told: on a GPU, cuDNN over the
+    dequantised cache for an OSCAR policy left to "auto" (3.2x the Triton kernel a 256-token
+    chunk deep in a 32K prompt at the 8B shape, docs/paged.md §6); else None, the policy's."""
+    oscar_auto = isinstance(policy, kv_policy.QuantPolicy) and policy.implementation == "auto"
+    fits = cfg.head_dim <= 256 and cfg.head_dim % 8 == 0  # cuDNN's flash attention
+    return "cudnn" if (backend or jax.default_backend()) == "gpu" and oscar_auto and fits else None
 
 
 def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seeds: jax.Array,
