@@ -34,7 +34,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ from flax import nnx  # noqa: E402
 
 from oscar_jax import paged  # noqa: E402
 from oscar_jax.models import kv_policy, registry, results  # noqa: E402
+from oscar_jax.models.cli import unwritable  # noqa: E402
 from oscar_jax.models.config import ModelConfig  # noqa: E402
 from oscar_jax.models.decoder import Decoder  # noqa: E402
 from oscar_jax.models.serving import Engine, Request  # noqa: E402
@@ -209,15 +209,9 @@ def _check_args(p: argparse.ArgumentParser, args, modes: dict) -> None:
         p.error(f"--kv {args.kv!r}: expected comma-separated names from {', '.join(kv_policy.POLICIES)}")
     if args.dtype not in ("bfloat16", "float32"):
         p.error(f"--dtype {args.dtype!r}: expected bfloat16 or float32")
-    if args.out.is_dir():
-        p.error(f"--out {args.out} is a directory; expected a JSON file path")
-    ancestor = args.out.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    try:
-        tempfile.TemporaryFile(dir=ancestor).close()
-    except OSError as e:
-        p.error(f"--out {args.out}: cannot write under {ancestor} ({e.strerror or e})")
+    problem = unwritable(args.out, "--out")
+    if problem:
+        p.error(problem)
 
 
 def main(argv=None) -> None:

@@ -116,6 +116,7 @@ def fit_decode(model: Decoder, policy, batch: int, context: int, new_tokens: int
     state; the output aliases the donated state) plus XLA's temporaries, which grow with the
     batch where attention runs in XLA. The batch shrinks by the measured excess until the
     program fits; (0, None) when one sequence does not."""
+    fixed = weight_bytes(model)
     while batch >= 1:
         kv = jax.eval_shape(lambda: policy.init(model.cfg, batch, context))  # as `gen.init_state` makes it
         program = gen.compile_decode(model, kv, jax.random.key(1), max_new_tokens=new_tokens)
@@ -123,7 +124,6 @@ def fit_decode(model: Decoder, policy, batch: int, context: int, new_tokens: int
         need = use.argument_size_in_bytes + use.temp_size_in_bytes
         if need <= limit:
             return batch, program
-        fixed = weight_bytes(model)
         batch = min(batch - 1, int(batch * max(limit - fixed, 0) / max(need - fixed, 1)))
     return 0, None
 

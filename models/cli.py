@@ -108,29 +108,35 @@ def schemes(kv: str, known) -> list[str]:
     return names
 
 
-def check_writable(path: Path | None, option: str, *, directory: bool = False) -> None:
-    """`fail` unless `path` (a file to write, or with `directory` a new directory to create)
-    can be written: a new directory must not exist yet, a file must not be a directory, and
-    its nearest existing ancestor must take a new file (probed)."""
-    if path is None:
-        return
+def unwritable(path: Path, option: str, *, directory: bool = False) -> str | None:
+    """Why `path` (a file to write, or with `directory` a new directory to create) cannot be
+    written, naming `option` (None: it can): a new directory must not exist yet, a file must
+    not be a directory, and its nearest existing ancestor must take a new file (probed)."""
     path = Path(path).absolute()
     if directory and path.exists():
-        fail(f"{option} {path} already exists; artifacts are never overwritten")
+        return f"{option} {path} already exists; artifacts are never overwritten"
     if not directory and path.is_dir():
-        fail(f"{option} {path} is a directory; expected a file path")
+        return f"{option} {path} is a directory; expected a file path"
     ancestor = path.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        fail(f"{option} {path}: {ancestor} is not a directory")
+        return f"{option} {path}: {ancestor} is not a directory"
     try:
         if path.is_file():
             open(path, "ab").close()
         else:
             tempfile.TemporaryFile(dir=ancestor).close()
     except OSError as e:
-        fail(f"{option} {path}: cannot write there ({e.strerror or e})")
+        return f"{option} {path}: cannot write there ({e.strerror or e})"
+    return None
+
+
+def check_writable(path: Path | None, option: str, *, directory: bool = False) -> None:
+    """`fail` unless `path` can be written (`unwritable`); None passes."""
+    problem = None if path is None else unwritable(path, option, directory=directory)
+    if problem:
+        fail(problem)
 
 
 def read_text(source: str) -> str:

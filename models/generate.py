@@ -249,7 +249,7 @@ def decode(model: Decoder, kv: kv_policy.KVState, first, key, *, max_new_tokens:
     `sampling` and `eos_ids`).
     """
     first = jnp.asarray(first, jnp.int32)
-    _check_count(max_new_tokens, "max_new_tokens")
+    check_count(max_new_tokens, "max_new_tokens")
     if first.shape != kv.lengths.shape:
         raise ValueError(f"first.shape={first.shape}: expected [B={kv.lengths.shape[0]}]")
     if segment < 1:
@@ -297,7 +297,8 @@ def _ints(x, name: str) -> np.ndarray:
     return a
 
 
-def _check_count(n, name: str) -> None:
+def check_count(n, name: str) -> None:
+    """ValueError naming `name` unless n is an int >= 1 (a bool is not)."""
     if not isinstance(n, Integral) or isinstance(n, bool) or n < 1:
         raise ValueError(f"{name}={n!r}: expected an int >= 1")
 
@@ -345,7 +346,7 @@ def generate(model: Decoder, policy, prompts: Sequence[Sequence[int]], *, max_ne
     """Prefill ragged `prompts` (token id lists), then decode up to `max_new_tokens` each
     (on_segment: as in `decode`, which may end the decoding early). mesh: the KV state's
     device mesh (`init_state`; the model's weights placed by `parallel.shard` or a loader)."""
-    _check_count(max_new_tokens, "max_new_tokens")
+    check_count(max_new_tokens, "max_new_tokens")
     tokens, lengths = pad_prompts(prompts)
     model.cfg.check_context(int(lengths.max()) + max_new_tokens, "the longest prompt + max_new_tokens")
     eos = tuple(model.cfg.eos_token_ids if eos_ids is None else eos_ids)

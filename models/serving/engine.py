@@ -104,8 +104,7 @@ class Engine:
         cfg = model.cfg
         for name, value in (("slots", slots), ("max_len", max_len), ("page_tokens", page_tokens),
                             ("min_bucket", min_bucket)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an int >= 1")
+            generate.check_count(value, name)
         cfg.check_context(max_len, f"max_len={max_len}")
         self.model, self.policy, self.slots = model, policy, slots
         self.chunk_attention = chunk_attention or programs.default_chunk_attention(policy, cfg)
