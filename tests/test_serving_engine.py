@@ -110,6 +110,26 @@ def _contiguous(model, policy, req: Request, chunk: int | None) -> list[int]:
     return out
 
 
+def test_extend_pieces_split_any_tail_and_warm_up_compiles_every_piece():
+    """`_pieces(n)` sums to n in chunks of C and the declared smaller sizes (each at most 3
+    times); with C = 20 (C - 1 = 16 + 3 leaves out the 4-token piece) warm-up still compiles
+    every piece, so prompts ending in any tail compile nothing after it."""
+    engine = Engine(MODELS["llama"](), POLICIES["fp8"], slots=2, max_len=92, page_tokens=20, prefill_chunk=20,
+                    prefix_cache=True)
+    for n in range(1, 200):
+        pieces = engine._pieces(n)
+        assert sum(pieces) == n and set(pieces) <= set(engine._piece_sizes())
+        assert all(pieces.count(s) <= 3 for s in engine._piece_sizes()[1:]), (n, pieces)
+    assert engine._piece_sizes() == [20, 16, 4, 1]
+    engine.warm_up()
+    compiled = engine.compiles
+    rng = np.random.default_rng(1)
+    for tail in (4, 5, 8, 17):  # past boundaries 20 and 40
+        engine.submit(Request(tuple(int(x) for x in rng.integers(0, VOCAB, 40 + tail)), 2))
+    engine.run()
+    assert engine.compiles == compiled, "an extend piece compiled after warm_up"
+
+
 @pytest.mark.parametrize("policy_name,chunk,prefix", [("oscar", 4, True), ("oscar", None, False), ("fp8", 8, True)])
 def test_warm_up_compiles_every_program_and_leaves_the_engine_empty(policy_name, chunk, prefix):
     """After `warm_up`, ragged requests (two sharing a prefix, preemption by the small pool)

@@ -180,14 +180,16 @@ class Engine:
     def _warm_up_lengths(self) -> list[int]:
         """Prompt lengths whose prefills use every compiled shape: one a prefill bucket (chunked:
         one head and one head + an extend chunk), and with the prefix cache one past its second
-        boundary ending in C - 1 tokens (every smaller extend piece), twice (the second a hit)."""
+        boundary ending in C - 1 tokens, twice (the second a hit), and one more for each
+        extend piece C - 1 tokens do not use (C not a power of two)."""
         fits = lambda n: n + 1 <= self.capacity
         if self.chunk is None:
             return sorted({min(b, self.capacity - 1) for b in self.buckets} - {0})
         lengths = [n for n in (1, self.chunk + 1) if fits(n)]
         if self.prefix is not None:
-            n = self._first_bound + self.page_tokens + self.chunk - 1
-            lengths += [n, n] if fits(n) else []
+            start = self._first_bound + self.page_tokens
+            missed = [t for t in self._piece_sizes()[1:] if t not in self._pieces(self.chunk - 1)]
+            lengths += [n for n in [start + self.chunk - 1] * 2 + [start + t for t in missed] if fits(n)]
         return lengths
 
     def _prefix_cache(self, host_bytes: int) -> pc.PrefixCache:
@@ -404,10 +406,18 @@ class Engine:
         return generate.prefill(self.model, part, tokens, np.array([len(head)], np.int32))
 
     def _pieces(self, n: int) -> list[int]:
-        """Extend chunks for n tokens: chunks of C, then the rest in descending powers of two
-        (few compiled chunk shapes whatever n is)."""
-        c = self.chunk
-        return [c] * (n // c) + [1 << b for b in reversed(range(c.bit_length())) if (n % c) >> b & 1]
+        """Extend chunks for n tokens: chunks of C, then the rest in descending powers of four,
+        each up to 3 times (`_piece_sizes`: few compiled shapes whatever n is, few launches)."""
+        c, out = self.chunk, [self.chunk] * (n // self.chunk)
+        rest = n % c
+        for size in self._piece_sizes()[1:]:
+            out += [size] * (rest // size)
+            rest %= size
+        return out
+
+    def _piece_sizes(self) -> list[int]:
+        """The extend chunk lengths `_pieces` uses, longest first: C, then the powers of four below C."""
+        return [self.chunk] + [4 ** k for k in reversed(range(20)) if 4 ** k < self.chunk]
 
     def _prefill(self, seq: Sequence) -> None:
         """Start seq's prefill: its first tokens (1..C when chunked, [0, m_1) or a prefix-cache
