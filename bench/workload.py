@@ -22,8 +22,9 @@ SIGTERM stops the run in progress and writes what finished, marked incomplete. R
 run: requests/s and output tokens/s end to end (first arrival to last finish), decode-phase
 output tokens/s (tokens of the decode steps over their wall time, prefill excluded), TTFT
 and TPOT p50/p99 (TTFT from the arrival), prefill tokens computed and restored from the
-prefix cache, the share of the shared-prefix tokens the cache restored, preemptions, and
-pages in use over time. JSON and a PNG of pages in use beside it.
+prefix cache, the share of the shared-prefix tokens the cache restored, preemptions, pages
+in use over time, and the warm-up's compilations and seconds. JSON and a PNG of pages in use
+beside it.
 """
 
 from __future__ import annotations
@@ -258,11 +259,13 @@ def main(argv=None) -> None:
     for kv in args.kv.split(","):
         for mode in args.prefix_cache.split(","):
             engine = engine_for(model, cfg, kv, modes[mode], args, max_len, min(len(r.prompt) for _, r in requests))
+            t0 = time.perf_counter()
             warm = engine.warm_up()
-            compiled = engine.compiles
+            warm_s, compiled = time.perf_counter() - t0, engine.compiles
             row = run(engine, requests, shared_len, shared)
-            row.update(warm_up_compiles=warm, compiles_timed=engine.compiles - compiled, rate_per_s=args.rate,
-                       scale=args.scale, shared_prefix=shared_len, shared_requests=shared, kv_gib=args.kv_gib,
+            row.update(warm_up_compiles=warm, warm_up_s=warm_s, compiles_timed=engine.compiles - compiled,
+                       rate_per_s=args.rate, scale=args.scale, shared_prefix=shared_len, shared_requests=shared,
+                       kv_gib=args.kv_gib,
                        prefill_chunk=engine.chunk, chunks_per_step=args.chunks_per_step,
                        max_prefills=args.max_prefills, chunk_attention=engine.chunk_attention or "policy")
             rows.append(row)
