@@ -13,8 +13,9 @@ every running sequence; `run` steps until every request is done.
 - Prefill: one prompt at a time, right-padded to a bucket length (powers of two), through
   `generate.prefill` into a one-row cache of the policy, then inserted into the request's slot
   and pages (`paged.insert`); its last logits give the first token. With `prefill_chunk=C`
-  (any C; longer than the window, a chunk's attention runs in XLA) the prompt's first 1..C
-  tokens are prefilled so and the rest enters in chunks of C through `generate.extend` (each
+  (any C; longer than the window, a chunk attends on cuDNN where `chunk_attention` is
+  "cudnn", else in XLA) the prompt's first 1..C tokens are prefilled so and the rest enters
+  in chunks of C through `generate.extend` (each
   chunk attends to its own tokens as written, bf16, and to the earlier chunks through the
   cache: `oscar_jax.attention.append_attend`), `chunks_per_step` chunks a step over the
   prefilling requests, first come first served, between decode steps; the row is inserted
