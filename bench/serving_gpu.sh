@@ -11,7 +11,8 @@
 #                     oscar, bf16, fp8, P the prefix cache: on or off
 #   prefill-chunks    extend chunks of 256 tokens at depths 1K-31K of a 32K prompt, Triton against cuDNN
 #                     (OSCAR) and bf16/fp8 (cuDNN), beside the one-pass prefill (bench/prefill_chunks.py)
-#   load-KV           `oscar serve` under bench/load_test.py (prompts 1K-8K, 256 output tokens), KV oscar or bf16
+#   load-KV           `oscar serve` under bench/load_test.py (prompts 1K-8K, 256 output tokens; prefill in chunks
+#                     of 1024 tokens, two between decode steps), KV oscar or bf16
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dev=$(python3 -c "from oscar_jax.models import results as r; print(r.device_folder(r.device_kind()))")
@@ -19,7 +20,7 @@ dev=$(python3 -c "from oscar_jax.models import results as r; print(r.device_fold
 # Start `oscar serve` for the 8B shape with cache $1 and $2 slots, load it, stop it with SIGTERM.
 load() {
   oscar serve --model llama3-8b --random-weights --dtype bfloat16 --kv "$1" --slots "$2" --max-len 16384 \
-      --min-bucket 1024 --max-prefills 1 --port 8000 & local pid=$!
+      --prefill-chunk 1024 --chunks-per-step 2 --max-prefills 1 --port 8000 & local pid=$!
   until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health')" 2> /dev/null; do
     kill -0 $pid 2> /dev/null || { echo "oscar serve exited" >&2; return 1; }; sleep 2
   done
