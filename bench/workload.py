@@ -240,6 +240,9 @@ def main(argv=None) -> None:
                         "else the cache's, as decode)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations: bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-up-only", action="store_true",
+                   help="build and warm up each run's engine, print its compilations, write nothing: with "
+                        "JAX_COMPILATION_CACHE_DIR set, a later run loads those programs instead of compiling")
     p.add_argument("--out", type=Path, required=True, help="JSON path (a .png is written beside it)")
     args = p.parse_args(argv)
     modes = {"off": False, "on": True}
@@ -262,6 +265,10 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             warm = engine.warm_up()
             warm_s, compiled = time.perf_counter() - t0, engine.compiles
+            if args.warm_up_only:
+                print(f"{kv:6s} prefix {mode:3s}: warm-up compiled {warm} programs in {warm_s:.1f} s", flush=True)
+                del engine  # before the next run's pool is allocated
+                continue
             row = run(engine, requests, shared_len, shared)
             row.update(warm_up_compiles=warm, warm_up_s=warm_s, compiles_timed=engine.compiles - compiled,
                        rate_per_s=args.rate, scale=args.scale, shared_prefix=shared_len, shared_requests=shared,
@@ -281,6 +288,8 @@ def main(argv=None) -> None:
                 break
         if STOP.is_set():
             break
+    if args.warm_up_only:
+        return
     rec = results.record(rows, " ".join(["python", "bench/workload.py", *(argv or sys.argv[1:])]))
     results.write(args.out, rec)
     plot(rows, f"{args.model}: {args.requests} requests at {args.rate}/s on {results.device_kind()}",

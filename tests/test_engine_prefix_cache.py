@@ -203,7 +203,8 @@ def test_scheduler_conserves_shared_and_cached_pages(requests, num_pages, slots,
 
 def test_workload_bench_runs_at_tiny_scale(tmp_path):
     """bench/workload.py on the tiny model: every request finishes, nothing compiles after the
-    warm-up, the prefix cache restores part of the shared prefix, pages in use are recorded."""
+    warm-up, the prefix cache restores part of the shared prefix, pages in use are recorded;
+    with --warm-up-only it writes nothing."""
     import importlib.util
     import pathlib
     import sys
@@ -221,6 +222,10 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     assert 0 < row["prefix_hit_tokens"] <= row["shared_prefix_tokens"] and row["pages_in_use"]
     assert row["output_tokens"] >= 6 * 2 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+    only = tmp_path / "warm.json"
+    workload.main(["--model", "tiny", "--scale", "0.004", "--requests", "6", "--kv", "oscar", "--kv-gib", "0.0002",
+                   "--warm-up-only", "--out", str(only)])
+    assert not only.exists()  # it compiles and stops
 
 
 def results_rows(path) -> list[dict]:
