@@ -266,7 +266,7 @@ def main(argv=None) -> None:
             warm = engine.warm_up()
             warm_s, compiled = time.perf_counter() - t0, engine.compiles
             if args.warm_up_only:
-                print(f"{kv:6s} prefix {mode:3s}: warm-up compiled {warm} programs in {warm_s:.1f} s", flush=True)
+                print(f"{kv:6s} prefix {mode:3s}: warm-up: {warm} programs in {warm_s:.1f} s", flush=True)
                 del engine  # before the next run's pool is allocated
                 continue
             row = run(engine, requests, shared_len, shared)
