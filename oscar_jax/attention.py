@@ -190,8 +190,10 @@ def append_attend(q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: OscarCa
     if q.shape[1] != c:
         raise ValueError(f"q has C={q.shape[1]} queries and k C={c} tokens: expected one query per new token")
     # Before the append: an explicit kernel that cannot attend these queries raises before any
-    # work is traced (C > W: "auto" gives "xla").
-    resolve(implementation, spec, c, q.shape[2] // spec.kv_heads, interpret=interpret)
+    # work is traced (C > W: "auto" gives "xla"; "cudnn" runs `flash_attend`, which takes any C,
+    # so only its platform and head dim are checked).
+    checked = min(c, spec.window) if implementation == "cudnn" else c
+    resolve(implementation, spec, checked, q.shape[2] // spec.kv_heads, interpret=interpret)
     cache = updates.append(layer_cache, k, v, layer_params, implementation="xla" if implementation == "xla" else "auto",
                            interpret=interpret, history_offset=0 if history_offset is None else history_offset)
     if c <= spec.window:

@@ -203,6 +203,10 @@ def test_bad_chunks_are_refused_by_name():
     with pytest.raises(ValueError, match="implementation='pallas' does not support .*C=13 queries"):
         attention.append_attend(random_kv(rng, 1, 13, HKV * G, D), kv(13), kv(13), cache, params,
                                 implementation="pallas", interpret=True)
+    # cuDNN takes chunks longer than the window (`flash_attend`): off a GPU only the platform refuses it.
+    with pytest.raises(ValueError, match="implementation='cudnn' cannot run here: it compiles for the 'gpu'"):
+        attention.append_attend(random_kv(rng, 1, 13, HKV * G, D), kv(13), kv(13), cache, params,
+                                implementation="cudnn")
     with pytest.raises(ValueError, match="q has C=13 queries and k C=12 tokens"):
         attention.append_attend(random_kv(rng, 1, 13, HKV * G, D), kv(12), kv(12), cache, params)
     long_q = jnp.asarray(random_kv(rng, 1, 13, HKV * G, D))
