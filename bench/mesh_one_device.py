@@ -3,7 +3,12 @@ OSCAR layers then append and attend inside `shard_map` (docs/serving.md §7), wh
 nothing. Per KV scheme: ms/token (p50 over segments) both ways, their ratio, whether the compiled
 mesh program still calls the Mosaic GPU kernel, and whether both decode the same tokens.
 
-    python bench/mesh_one_device.py --model llama3-8b --kv oscar,bf16 --context 32K --batch 8
+    python bench/mesh_one_device.py --model llama3-8b --kv oscar,bf16 --context 32K --batch 8 \
+        --mesh model=1 --mesh data=1,model=1,seq=1
+
+Each `--mesh` is a one-device mesh (default `model=1`); with a `seq` axis the OSCAR layers run
+the sequence-parallel step (`parallel.append_attend`: the kernel inside `shard_map`, then the
+log-sum-exp merge).
 
 Writes bench/results/<device>/mesh_one_device.json (`--out`).
 """
@@ -45,23 +50,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--segment", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mesh", action="append", default=None, help="a one-device mesh, e.g. seq=1 (repeatable)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     context = bench._parse_count(a.context)
-    mesh = parallel.parse_mesh("model=1", jax.devices()[:1])
+    meshes = {spec: parallel.parse_mesh(spec, jax.devices()[:1]) for spec in a.mesh or ["model=1"]}
     model, _ = registry.load(a.model, dtype=jnp.dtype(a.dtype), random_weights=True)
     rows = []
     for name in a.kv.split(","):
         serve_model, policy = fold_values(model, kv_policy.make_policy(name))
         plain = decode_row(serve_model, policy, None, context, a.batch, a.steps, a.segment)
-        meshed = decode_row(serve_model, policy, mesh, context, a.batch, a.steps, a.segment)
-        row = {"kv": name, "context": context, "batch": a.batch, "model": a.model,
-               "tpot_p50_ms": plain["tpot_p50_ms"], "mesh_tpot_p50_ms": meshed["tpot_p50_ms"],
-               "mesh_over_plain": meshed["tpot_p50_ms"] / plain["tpot_p50_ms"],
-               "mosaic_gpu_kernel": plain["mosaic_gpu_kernel"], "mesh_mosaic_gpu_kernel": meshed["mosaic_gpu_kernel"],
-               "same_tokens": plain["tokens"] == meshed["tokens"]}
-        print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-        rows.append(row)
+        for spec, mesh in meshes.items():
+            meshed = decode_row(serve_model, policy, mesh, context, a.batch, a.steps, a.segment)
+            row = {"kv": name, "mesh": spec, "context": context, "batch": a.batch, "model": a.model,
+                   "tpot_p50_ms": plain["tpot_p50_ms"], "mesh_tpot_p50_ms": meshed["tpot_p50_ms"],
+                   "mesh_over_plain": meshed["tpot_p50_ms"] / plain["tpot_p50_ms"],
+                   "mosaic_gpu_kernel": plain["mosaic_gpu_kernel"],
+                   "mesh_mosaic_gpu_kernel": meshed["mosaic_gpu_kernel"],
+                   "same_tokens": plain["tokens"] == meshed["tokens"]}
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+            rows.append(row)
     out = a.out or results.default_path("bench/results", "mesh_one_device")
     results.write(out, results.record(rows))
     print(f"wrote {out}")
