@@ -273,8 +273,7 @@ def main(argv=None) -> None:
             row = run(engine, requests, shared_len, shared)
             row.update(warm_up_compiles=warm, warm_up_s=warm_s, compiles_timed=engine.compiles - compiled,
                        rate_per_s=args.rate, scale=args.scale, shared_prefix=shared_len, shared_requests=shared,
-                       kv_gib=args.kv_gib,
-                       prefill_chunk=engine.chunk, chunks_per_step=args.chunks_per_step,
+                       kv_gib=args.kv_gib, prefill_chunk=engine.chunk, chunks_per_step=args.chunks_per_step,
                        max_prefills=args.max_prefills, chunk_attention=engine.chunk_attention or "policy")
             rows.append(row)
             f = lambda x: "-" if x is None else f"{x:.2f}"

@@ -15,14 +15,13 @@ every running sequence; `run` steps until every request is done.
   and pages (`paged.insert`); its last logits give the first token. With `prefill_chunk=C`
   (any C; longer than the window, a chunk attends on cuDNN where `chunk_attention` is
   "cudnn", else in XLA) the prompt's first 1..C tokens are prefilled so and the rest enters
-  in chunks of C through `generate.extend` (each
-  chunk attends to its own tokens as written, bf16, and to the earlier chunks through the
-  cache: `oscar_jax.attention.append_attend`), `chunks_per_step` chunks a step over the
-  prefilling requests, first come first served, between decode steps; the row is inserted
-  after its last chunk. Chunked, every prompt's one-row cache holds a slot's capacity and its
-  first 1..C tokens are padded to C (one compiled shape each, whatever the prompt's length);
-  `max_prefills` bounds the prompts prefilling at once (admission waits), and with it the
-  memory their one-row caches take.
+  in chunks of C through `generate.extend` (each chunk attends to its own tokens as written,
+  bf16, and to the earlier chunks through the cache: `oscar_jax.attention.append_attend`),
+  `chunks_per_step` chunks a step over the prefilling requests, first come first served,
+  between decode steps; the row is inserted after its last chunk. Chunked, every prompt's
+  one-row cache holds a slot's capacity and its first 1..C tokens are padded to C (one
+  compiled shape each, whatever the prompt's length); `max_prefills` bounds the prompts
+  prefilling at once (admission waits), and with it the memory their one-row caches take.
 - Sampling: temperature, top_p and the seed are per-row arrays of the one compiled step (not
   static arguments); token i of a request draws with `fold_in(key(seed), i)`, so a request's
   tokens do not depend on what else runs beside it.
@@ -418,7 +417,10 @@ class Engine:
 
     def _piece_sizes(self) -> list[int]:
         """The extend chunk lengths `_pieces` uses, longest first: C, then the powers of four below C."""
-        return [self.chunk] + [4 ** k for k in reversed(range(20)) if 4 ** k < self.chunk]
+        below, p = [], 1
+        while p < self.chunk:
+            below, p = [p] + below, 4 * p
+        return [self.chunk] + below
 
     def _prefill(self, seq: Sequence) -> None:
         """Start seq's prefill: its first tokens (1..C when chunked, [0, m_1) or a prefix-cache
