@@ -28,7 +28,8 @@ every running sequence; `run` steps until every request is done.
 - Preemption: a sequence pushed out for pages is copied to host memory (its slot rows and pages)
   and copied back later bitwise, so a quantised cache's contents never change.
 - Prefix cache (`prefix_cache=True`, docs/paged.md §5): a prompt longer than the first boundary
-  m_1 is prefilled in fixed segments, [0, m_1) in one prefill, then each further page's tokens
+  m_1 is prefilled in fixed segments, its first 1..C tokens in one prefill (the program of
+  prompts without it) and chunks of C up to m_1, then each further page's tokens
   (m_k = m_1 + (k - 1) * page_tokens) and the rest in extend chunks; its boundaries become
   entries (pool pages shared by reference count, snapshots of the one-row state), and a later
   prompt with the same tokens up to m_j starts from entry j's state instead of token 0. The
@@ -199,8 +200,9 @@ class Engine:
             raise ValueError(f"prefix_cache=True needs prefill_chunk dividing page_tokens={self.page_tokens} "
                              f"(got prefill_chunk={self.chunk}): prompts are prefilled a page at a time")
         self._first_bound = self.page_tokens + (self._spec.sink + self._spec.window if self.paged else 0)
+        self._prefix_head = (self._first_bound - 1) % self.chunk + 1  # m_1 = head + a whole number of chunks
         layout = {"page_tokens": self.page_tokens, "chunk": self.chunk, "capacity": self.capacity,
-                  "first": self._first_bound}
+                  "first": self._first_bound, "head": self._prefix_head}
         return pc.PrefixCache(pc.salt(self.model, self.policy, layout), None, host_bytes)
 
     @property
@@ -423,8 +425,8 @@ class Engine:
         return [self.chunk] + below
 
     def _prefill(self, seq: Sequence) -> None:
-        """Start seq's prefill: its first tokens (1..C when chunked, [0, m_1) or a prefix-cache
-        hit with the prefix cache) now; `_prefill_chunks` runs the rest."""
+        """Start seq's prefill: its first tokens (1..C when chunked, or a prefix-cache hit with
+        the prefix cache) now; `_prefill_chunks` runs the rest."""
         prompt = self.requests[seq.rid].prompt
         n = len(prompt)
         self.prompt_tokens += n
@@ -441,18 +443,20 @@ class Engine:
             self._enter(seq, fill)
 
     def _prefix_fill(self, seq: Sequence) -> _Fill:
-        """The fixed segments of a prompt past m_1: [0, m_1) in one prefill, or entry j's state
-        on a hit (its pages and snapshot); then pages of C-token chunks up to the last boundary
-        m_K, then the rest. Snapshots are taken at m_K and, where seq shares entries past the
-        one it restores (a branch point: no snapshot there yet), at the last shared one; dense
-        policies take every boundary's (their entries hold their rows)."""
+        """The fixed segments of a prompt past m_1: its first 1..C tokens (`_prefix_head`) in one
+        prefill and C-token chunks up to m_1, or entry j's state on a hit (its pages and
+        snapshot); then pages of C-token chunks up to the last boundary m_K, then the rest.
+        Snapshots are taken at m_K and, where seq shares entries past the one it restores (a
+        branch point: no snapshot there yet), at the last shared one; dense policies take every
+        boundary's (their entries hold their rows)."""
         prompt, bounds = self.requests[seq.rid].prompt, self.prefix_bounds(len(self.requests[seq.rid].prompt))
         part, j, last = self._empty_part(self.capacity), seq.restored, bounds[-1]
         if j:
             part, done, logits = self._restore(seq, part), bounds[j - 1], None
             self.prefix_hit_tokens += done
-        else:
-            (logits, part), done = self._prefill_head(part, prompt[:bounds[0]]), bounds[0]
+        else:  # the first 1..C tokens, as without the prefix cache, then chunks of C up to m_1
+            done = self._prefix_head
+            logits, part = self._prefill_head(part, prompt[:done])
         due = range(j + 1, len(bounds) + 1) if not self.paged else {len(bounds)} | (
             {seq.shared} if seq.shared > j else set())
         fill = _Fill(part, done, [self.chunk] * ((last - done) // self.chunk) + self._pieces(len(prompt) - last),
