@@ -68,6 +68,7 @@ def test_engine_output_equals_request_alone(model_name, policy_name, chunk):
     (C = 16: chunks twice the oscar policy's window of 8)."""
     model, policy = MODELS[model_name](), POLICIES[policy_name]
     reqs = _requests()
+    jax.clear_caches()  # the engine's programs compile here, whichever test ran before in this process
     engine = _engine(model, policy, chunk)
     ids = [engine.submit(r) for r in reqs[:3]]
     with pytest.raises(ValueError, match="can never fit: a prompt of 70 tokens plus max_tokens=10 needs 79"):
