@@ -189,7 +189,8 @@ class Engine:
         lengths = [n for n in (1, self.chunk + 1) if fits(n)]
         if self.prefix is not None:
             start = self._first_bound + self.page_tokens
-            missed = [t for t in self._piece_sizes()[1:] if t not in self._pieces(self.chunk - 1)]
+            used = set(self._pieces(self.chunk - 1))
+            missed = [t for t in self._piece_sizes()[1:] if t not in used]
             lengths += [n for n in [start + self.chunk - 1] * 2 + [start + t for t in missed] if fits(n)]
         return lengths
 
