@@ -27,15 +27,16 @@ SKIP = ("bf16", "fp32")  # the references, not points
 
 def label(row: dict) -> str:
     """A scheme's name for the plot: the row's "scheme" when it names one, else kv, and for
-    oscar rows what their calibration was (a per-layer budget or the group size G, and the
-    bf16 sink + window)."""
+    oscar rows what their calibration was (learned rotations, a per-layer budget or the group
+    size G, and the bf16 sink + window)."""
     if row.get("scheme"):
         return row["scheme"]
     calibration = row.get("calibration", "")
     if not row["kv"].startswith("oscar") or not calibration:
         return row["kv"]
     group = re.search(r"G=(\d+)", calibration)
-    parts = [row["kv"], "budget" if "per layer:" in calibration else (f"G={group.group(1)}" if group else "")]
+    parts = [row["kv"], "learned" if "learned" in calibration else "",
+             "budget" if "per layer:" in calibration else (f"G={group.group(1)}" if group else "")]
     segment = re.search(r"sink (\d+),.*window (\d+)", calibration)
     if segment:
         parts.append(f"{segment.group(1)}+{segment.group(2)}")
@@ -49,7 +50,9 @@ def _works(row: dict) -> str:
 
 def collect(records: list[tuple[str, dict]], model: str) -> tuple[dict, list[dict]]:
     """(the bf16 row, the comparable scheme rows) of `model` in `records` ((path, record) each).
-    Each point: label, kv, bpe, ppl, dppl_pct, kl, top1, source (the record's file name)."""
+    Each point: label, kv, bpe, ppl, dppl_pct, kl, top1, source (the record's file name); one
+    point per label and bits/element, the first record's (a configuration evaluated again later
+    is not drawn twice)."""
     rows = [(path, r) for path, rec in records for r in rec["rows"] if r.get("model") == model and "ppl" in r]
     base = next((r for _, r in rows if r["kv"] == "bf16"), None)
     if base is None:
@@ -57,7 +60,7 @@ def collect(records: list[tuple[str, dict]], model: str) -> tuple[dict, list[dic
     same = lambda r: (r["tokens"], _works(r), r.get("context")) == (base["tokens"], _works(base), base.get("context"))
     points, seen = [], set()
     for path, r in rows:
-        key = (label(r), round(r["bpe"], 4), round(r["ppl"], 4))
+        key = (label(r), round(r["bpe"], 4))
         if r["kv"] in SKIP or not same(r) or key in seen:
             continue
         seen.add(key)
