@@ -62,10 +62,10 @@ def main() -> None:
     rows = []
     for name in a.kv.split(","):
         serve_model, policy = fold_values(model, kv_policy.make_policy(name))
-        time = lambda mesh: decode_row(serve_model, policy, mesh, context, a.batch, a.steps, a.segment)
-        before = time(None)
-        meshed = {spec: time(mesh) for spec, mesh in meshes.items()}
-        after = time(None)
+        measure = lambda mesh: decode_row(serve_model, policy, mesh, context, a.batch, a.steps, a.segment)
+        before = measure(None)
+        meshed = {spec: measure(mesh) for spec, mesh in meshes.items()}
+        after = measure(None)
         plain_ms = (before["tpot_p50_ms"] + after["tpot_p50_ms"]) / 2
         for spec, m in meshed.items():
             row = {"kv": name, "mesh": spec, "context": context, "batch": a.batch, "model": a.model,

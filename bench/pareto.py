@@ -35,7 +35,8 @@ def label(row: dict) -> str:
     if not row["kv"].startswith("oscar") or not calibration:
         return row["kv"]
     group = re.search(r"G=(\d+)", calibration)
-    parts = [row["kv"], "learned" if "learned" in calibration else "",
+    rotations = re.search(r"corpus hash \w+, ([^,]+),", calibration)  # "K/V" as the artifact names them
+    parts = [row["kv"], "learned" if rotations and "learned" in rotations.group(1) else "",
              "budget" if "per layer:" in calibration else (f"G={group.group(1)}" if group else "")]
     segment = re.search(r"sink (\d+),.*window (\d+)", calibration)
     if segment:
