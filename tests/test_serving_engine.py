@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hypothesis.strategies as st
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -19,6 +20,7 @@ from oscar_jax.models import kv_policy
 from oscar_jax.models.config import ModelConfig
 from oscar_jax.models.decoder import Decoder
 from oscar_jax.models.serving import Engine, Request
+from oscar_jax.models.serving import programs
 from oscar_jax.models.serving.programs import default_chunk_attention
 from oscar_jax.models.serving.scheduler import Scheduler
 
@@ -190,6 +192,58 @@ def test_chunk_attention_picks_the_extend_chunks_implementation_only():
     for pol, backend in ((policy, "cpu"), (policy, "tpu"), (triton, "gpu"), (POLICIES["fp8"], "gpu")):
         assert default_chunk_attention(pol, cfg, backend) is None, (pol.name, backend)
     assert default_chunk_attention(policy, dataclasses.replace(cfg, head_dim=12), "gpu") is None
+
+
+@pytest.mark.parametrize("model_name,policy_name", [("local-global", "oscar"), ("llama", "fp8")])
+def test_rows_without_a_sequence_hold_no_tokens_after_a_step(model_name, policy_name):
+    """A decode step empties every row with no running sequence (finished, not yet admitted or
+    still prefilling) before its append, so such a row holds at most the one token it just
+    appended, in the state and in every layer's cache, however long the sequence that left it
+    was; a running row's layers all hold its length."""
+    model, policy = MODELS[model_name](), POLICIES[policy_name]
+    engine = Engine(model, policy, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, num_pages=3 * 5,
+                    prefill_chunk=4)
+    rng = np.random.default_rng(2)
+    for prompt_len, max_tokens in ((40, 3), (9, 30), (30, 20)):  # the first finishes long before the others
+        engine.submit(Request(tuple(int(x) for x in rng.integers(0, VOCAB, prompt_len)), max_tokens))
+    decoding = lambda: {s.slot for s in engine.scheduler.running if s.rid in engine._next_token}
+    idle_steps = 0
+    while not engine.done():
+        before = decoding()
+        engine.step()
+        after, lengths = decoding(), np.asarray(engine.state.lengths)
+        for layer in engine.state.layers:
+            np.testing.assert_array_equal(np.asarray(getattr(layer, "cache", layer).lengths), lengths)
+        idle = [b for b in range(SLOTS) if b not in before | after]  # no sequence decoded there
+        assert (lengths[idle] <= 1).all(), lengths
+        idle_steps += bool(after) and bool(idle)
+    assert idle_steps > 10
+
+
+def test_sampling_rows_are_independent_of_the_batch():
+    """`sample_rows`: a greedy row takes its argmax; a row's draw is the same in any batch (with
+    greedy rows only, or beside rows that sample with or without top_p) as alone; a top_p row
+    only draws inside its nucleus, and a top_p = 1 row also outside it."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 50)) * 2, jnp.float32)
+    temperature = jnp.asarray([0.0, 1.0, 1.0, 0.0], jnp.float32)
+    top_p = jnp.asarray([1.0, 1.0, 0.5, 0.3], jnp.float32)
+    draws = []
+    for seed in range(200):
+        seeds, counts = jnp.full((4,), seed, jnp.int32), jnp.arange(4, dtype=jnp.int32)
+        batch = np.asarray(programs.sample(logits, temperature, top_p, seeds, counts))
+        for b in range(4):
+            alone = programs.sample(logits[b:b + 1], temperature[b:b + 1], top_p[b:b + 1], seeds[b:b + 1],
+                                    counts[b:b + 1])
+            assert int(alone[0]) == batch[b], (seed, b)
+        draws.append(batch)
+    draws, lg = np.stack(draws), np.asarray(logits)
+    np.testing.assert_array_equal(draws[:, [0, 3]], np.broadcast_to(np.argmax(lg, -1)[[0, 3]], (200, 2)))
+    order = np.argsort(-lg, -1)
+    mass = np.cumsum(np.take_along_axis(np.exp(lg) / np.exp(lg).sum(-1, keepdims=True), order, -1), -1)
+    nucleus = lambda b, p: set(order[b, :int(np.searchsorted(mass[b], p)) + 1].tolist())
+    assert set(draws[:, 2].tolist()) <= nucleus(2, 0.5)
+    assert set(draws[:, 1].tolist()) - nucleus(1, 0.5)
 
 
 def test_request_never_fitting_the_pool_is_refused():

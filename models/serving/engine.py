@@ -340,15 +340,15 @@ class Engine:
         if running:
             b = self.slots
             tokens, temperature, top_p = np.zeros(b, np.int32), np.zeros(b, np.float32), np.ones(b, np.float32)
-            seeds, counts = np.zeros(b, np.int32), np.zeros(b, np.int32)
+            seeds, counts, live = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
             for seq in running:
                 req = self.requests[seq.rid]
-                tokens[seq.slot] = self._next_token[seq.rid]
+                tokens[seq.slot], live[seq.slot] = self._next_token[seq.rid], True
                 temperature[seq.slot], top_p[seq.slot], seeds[seq.slot] = req.temperature, req.top_p, req.seed
                 counts[seq.slot] = len(self.results[seq.rid].tokens)
             nxt, self.state = programs.decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
-                                              jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(seeds),
-                                              jnp.asarray(counts))
+                                              jnp.asarray(live), jnp.asarray(temperature), jnp.asarray(top_p),
+                                              jnp.asarray(seeds), jnp.asarray(counts))
             nxt = np.asarray(nxt)
             self.decode_seconds += time.perf_counter() - decode_start
             self.decode_tokens += len(running)

@@ -28,17 +28,30 @@ def default_chunk_attention(policy, cfg, backend: str | None = None) -> str | No
 def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seeds: jax.Array,
                 counts: jax.Array) -> jax.Array:
     """`generate.sample` with per-row parameters: logits f32 [B, V], temperature, top_p f32 [B],
-    seeds, counts int32 [B] (row b draws with fold_in(key(seeds[b]), counts[b])) -> int32 [B]."""
+    seeds, counts int32 [B] (row b draws with fold_in(key(seeds[b]), counts[b])) -> int32 [B].
+    A batch of greedy rows only takes their argmax, and only where some row samples with
+    top_p < 1 is the vocabulary sorted (`lax.cond`: a row's token never depends on the others')."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sampled = temperature > 0
+
+    def draw():
+        scaled = logits.astype(jnp.float32) / jnp.where(sampled, temperature, 1.0)[:, None]
+        nucleus = sampled & (top_p < 1)
+        scaled = jax.lax.cond(jnp.any(nucleus), lambda s: jnp.where(nucleus[:, None], _top_p_only(s, top_p), s),
+                              lambda s: s, scaled)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, counts)
+        return jnp.where(sampled, jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32), greedy)
+
+    return jax.lax.cond(jnp.any(sampled), draw, lambda: greedy)
+
+
+def _top_p_only(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
+    """scaled f32 [B, V] with every token outside row b's top_p nucleus at -inf."""
     desc = jnp.sort(scaled, axis=-1)[:, ::-1]
     probs = jax.nn.softmax(desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     threshold = jnp.min(jnp.where(mass_before < top_p[:, None], desc, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, counts)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
 def _with_tables(state: kv_policy.KVState, tables: jax.Array) -> kv_policy.KVState:
@@ -49,10 +62,24 @@ def _with_tables(state: kv_policy.KVState, tables: jax.Array) -> kv_policy.KVSta
     return dataclasses.replace(state, layers=tuple(put(layer) for layer in state.layers))
 
 
+def _with_lengths(state: kv_policy.KVState, lengths: jax.Array) -> kv_policy.KVState:
+    """`state` holding `lengths` int32 [B] tokens per row, in every layer's cache (each keeps
+    its own copy of the state's lengths)."""
+    def put(layer):
+        if isinstance(layer, (kv_policy.PagedLayer, kv_policy.OscarLayer)):
+            return dataclasses.replace(layer, cache=dataclasses.replace(layer.cache, lengths=lengths))
+        return dataclasses.replace(layer, lengths=lengths)
+    return kv_policy.KVState(tuple(put(layer) for layer in state.layers), lengths)
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
-def decode(model, state, tables, tokens, temperature, top_p, seeds, counts):
-    """One decode step of every slot: tokens int32 [B] enter the cache -> (next int32 [B], state)."""
-    logits, state = generate._step_logits(model, _with_tables(state, tables), tokens[:, None])
+def decode(model, state, tables, tokens, live, temperature, top_p, seeds, counts):
+    """One decode step of every slot: tokens int32 [B] enter the cache -> (next int32 [B], state).
+    Rows not `live` (bool [B]: idle, prefilling or swapped-out slots) are emptied first, so such
+    a row attends to its one new token, not to the history a finished sequence left there."""
+    state = _with_tables(state, tables)
+    state = _with_lengths(state, jnp.where(live, state.lengths, 0))
+    logits, state = generate._step_logits(model, state, tokens[:, None])
     return sample_rows(logits[:, 0], temperature, top_p, seeds, counts), state
 
 
