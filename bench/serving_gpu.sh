@@ -11,6 +11,8 @@
 #                     oscar, bf16, fp8, P the prefix cache: on or off
 #   prefill-chunks    extend chunks of 256 tokens at depths 1K-31K of a 32K prompt, Triton against cuDNN
 #                     (OSCAR) and bf16/fp8 (cuDNN), beside the one-pass prefill (bench/prefill_chunks.py)
+#   engine-step       the engine's decode step with idle slots (idle rows emptied or attended, greedy or top_p)
+#                     against the static decode loop of the running rows (bench/engine_step.py)
 #   mesh-one-device   the decode step on one-device meshes (model=1; data=1,model=1,seq=1) against none, oscar and
 #                     bf16 at 32K, batch 8 (bench/mesh_one_device.py)
 #   load-KV           `oscar serve` under bench/load_test.py (prompts 1K-8K, 256 output tokens; prefill in chunks
@@ -47,6 +49,8 @@ for job in "$@"; do
         --out "bench/results/$dev/workload_llama3-8b_${w%-*}_prefix-${w##*-}.json" ;;
     prefill-chunks) python3 bench/prefill_chunks.py --model llama3-8b --context 32K \
         --cells oscar:pallas:256,oscar:cudnn:256,bf16:auto:256,fp8:auto:256 --out "bench/results/$dev/prefill_chunks_llama3-8b.json" ;;
+    engine-step) python3 bench/engine_step.py --model llama3-8b --cells oscar:64:39,bf16:11:11 --context 20K \
+        --out "bench/results/$dev/engine_step_llama3-8b.json" ;;
     mesh-one-device) python3 bench/mesh_one_device.py --model llama3-8b --kv oscar,bf16 --context 32K --batch 8 \
         --mesh model=1 --mesh data=1,model=1,seq=1 --out "bench/results/$dev/mesh_one_device.json" ;;
     load-oscar) load oscar 64 ;;

@@ -1,0 +1,126 @@
+"""The serving engine's decode step alone: ms a step of the engine's own program
+(`programs.decode`: the paged pool or dense slots, per-row sampling, one call from Python with
+the engine's host work around it) with `--live` of its slots running, against the static decode
+loop of `oscar bench` over those rows alone (the same model, cache and lengths: what the step
+could take).
+
+    python bench/engine_step.py --model llama3-8b --cells oscar:64:39,bf16:11:11 --context 20K
+
+A cell KV:SLOTS:LIVE fills every slot with `--context` random tokens (as if idle slots held
+the sequences that finished there) and times, per variant:
+  emptied   the engine's step: rows without a running sequence are emptied before the append
+  attended  every row attended as if running (an engine that keeps idle rows' lengths)
+  top_p     as emptied, every running row sampling at temperature 1, top_p 0.9 (the sort)
+  static    `bench.time_decode` over LIVE rows of a contiguous state, no engine
+Writes bench/results/<device>/engine_step_<model>.json (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from oscar_jax import paged  # noqa: E402
+from oscar_jax.models import bench, kv_policy, registry, results  # noqa: E402
+from oscar_jax.models.serving import Engine, programs  # noqa: E402
+
+
+def filled_engine(model, policy, slots: int, context: int, capacity: int, page: int) -> Engine:
+    """An engine of `slots` slots, each holding the same `context` random tokens (its pages
+    in the block table)."""
+    engine = Engine(model, policy, slots=slots, max_len=capacity, page_tokens=page, prefill_chunk=page)
+    part = bench.filled_state(model, engine._part_policy, 1, context, engine.capacity, chunk=engine._chunk)
+    pages = engine._pages_for(context) if engine.paged else 0
+    for b in range(slots):
+        per_slot = engine.tables.shape[1]
+        engine.tables[b, :pages] = np.arange(b * per_slot, b * per_slot + pages)
+        engine.state = programs.insert(engine.state, part, jnp.int32(b), jnp.asarray(engine.tables), jnp.int32(0))
+    jax.block_until_ready(engine.state)
+    return engine
+
+
+def time_steps(engine: Engine, live: np.ndarray, steps: int, temperature: float, top_p: float) -> list[float]:
+    """Seconds of each of `steps` engine decode steps (after one), the host's arrays included,
+    rows `live` running and the others' block-table rows cleared, as the engine leaves them."""
+    b = engine.slots
+    tables = np.where(live[:, None], engine.tables, paged.NO_PAGE)
+    rows = lambda value, dtype: np.where(live, value, 0).astype(dtype)
+    out = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        args = (jnp.asarray(tables), jnp.ones(b, jnp.int32), jnp.asarray(live),
+                jnp.asarray(rows(temperature, np.float32)), jnp.asarray(np.where(live, top_p, 1.0).astype(np.float32)),
+                jnp.zeros(b, jnp.int32), jnp.asarray(rows(i + 1, np.int32)))
+        nxt, engine.state = programs.decode(engine.model, engine.state, *args)
+        np.asarray(nxt)
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: int, page: int,
+              steps: int) -> list[dict]:
+    policy = kv_policy.make_policy(name)
+    engine = filled_engine(model, policy, slots, context, capacity, page)
+    running = np.arange(slots) < live
+    # "attended" first: "emptied" leaves the idle rows empty.
+    variants = {"attended": (np.ones(slots, bool), 0.0, 1.0), "emptied": (running, 0.0, 1.0),
+                "top_p": (running, 1.0, 0.9)}
+    rows = []
+    base = {"kv": name, "slots": slots, "live": live, "context": context, "capacity": engine.capacity}
+    for variant, (rows_live, temperature, top_p) in variants.items():
+        seconds = time_steps(engine, rows_live, steps, temperature, top_p)
+        rows.append({**base, "variant": variant, "step_ms_p50": 1e3 * float(np.median(seconds)),
+                     "step_ms_p90": 1e3 * float(np.percentile(seconds, 90))})
+        print(rows[-1], flush=True)
+    del engine
+    state = bench.filled_state(model, policy, live, context, capacity)
+    timed = bench.time_decode(model, state, steps=steps, segment=8)
+    per_token = np.asarray(timed.pop("per_token_s"))
+    del timed
+    rows.append({**base, "variant": "static", "step_ms_p50": 1e3 * float(np.median(per_token)),
+                 "step_ms_p90": 1e3 * float(np.percentile(per_token, 90))})
+    print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b", help="a config-only architecture (random weights)")
+    p.add_argument("--cells", default="oscar:64:39,bf16:11:11", help="KV:SLOTS:LIVE, comma-separated")
+    p.add_argument("--context", default="20K", help="tokens every slot holds")
+    p.add_argument("--capacity", default="34816", help="tokens a slot holds at most")
+    p.add_argument("--page-tokens", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    context, capacity = bench._parse_count(a.context), bench._parse_count(a.capacity)
+    cells = []
+    for cell in a.cells.split(","):
+        try:
+            name, slots, live = cell.split(":")
+            cells.append((name, int(slots), int(live)))
+        except ValueError:
+            p.error(f"--cells {cell!r}: expected KV:SLOTS:LIVE")
+        if name not in kv_policy.POLICIES or not 1 <= cells[-1][2] <= cells[-1][1]:
+            p.error(f"--cells {cell!r}: expected a KV scheme of {', '.join(kv_policy.POLICIES)} and 1 <= LIVE <= SLOTS")
+    room = capacity - 3 * (a.steps + 1)  # the running rows grow by steps + 1 in each engine variant
+    if not 1 <= context <= room:
+        p.error(f"--context {a.context}: expected 1 <= context <= capacity - 3 (steps + 1) = {room}")
+    model, _ = registry.load(a.model, dtype=jnp.dtype(a.dtype), random_weights=True)
+    rows = [row for name, slots, live in cells
+            for row in cell_rows(model, name, slots, live, context, capacity, a.page_tokens, a.steps)]
+    out = a.out or results.default_path("bench/results", f"engine_step_{a.model}")
+    results.write(out, results.record(rows))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
