@@ -63,6 +63,12 @@ def profile(model, kv: str, context: int, batch: int, steps: int) -> dict:
                on_segment=on_segment)
     jax.profiler.stop_trace()
     wall = time.perf_counter() - t0
+    return {"kv": kv, "context": context, "batch": batch, "steps": steps, **summary(trace_dir, steps), "wall_s": wall}
+
+
+def summary(trace_dir: str, steps: int) -> dict:
+    """Per step of a trace of `steps` steps: the GPU span from the first kernel to the last, the
+    summed kernel time, the kernel count, and the kernel groups by time."""
     events = kernel_events(trace_dir)
     span_ns = events[-1][0] + events[-1][1] - events[0][0]
     groups: dict[str, list[float]] = {}
@@ -70,9 +76,8 @@ def profile(model, kv: str, context: int, batch: int, steps: int) -> dict:
         groups.setdefault(group(name), []).append(dur)
     rows = sorted(({"kernel": k, "ms_per_step": sum(v) / steps / 1e6, "count_per_step": len(v) / steps}
                    for k, v in groups.items()), key=lambda r: -r["ms_per_step"])
-    return {"kv": kv, "context": context, "batch": batch, "steps": steps,
-            "span_ms_per_step": span_ns / steps / 1e6, "busy_ms_per_step": sum(e[1] for e in events) / steps / 1e6,
-            "kernels_per_step": len(events) / steps, "wall_s": wall, "groups": rows}
+    return {"span_ms_per_step": span_ns / steps / 1e6, "busy_ms_per_step": sum(e[1] for e in events) / steps / 1e6,
+            "kernels_per_step": len(events) / steps, "groups": rows}
 
 
 def main(argv=None) -> None:

@@ -12,6 +12,8 @@ the sequences that finished there) and times, per variant:
   attended  every row attended as if running (an engine that keeps idle rows' lengths)
   top_p     as emptied, every running row sampling at temperature 1, top_p 0.9 (the sort)
   static    `bench.time_decode` over LIVE rows of a contiguous state, no engine
+With `--profile` the engine's step is traced once more and its GPU time grouped by kernel
+(`decode_profile.summary`: span, summed kernel time, kernel count a step).
 Writes bench/results/<device>/engine_step_<model>.json (`--out`).
 """
 
@@ -19,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
@@ -29,7 +34,10 @@ import numpy as np  # noqa: E402
 
 from oscar_jax import paged  # noqa: E402
 from oscar_jax.models import bench, kv_policy, registry, results  # noqa: E402
+from oscar_jax.models.cli import unwritable  # noqa: E402
 from oscar_jax.models.serving import Engine, programs  # noqa: E402
+
+import decode_profile  # noqa: E402  (bench/, beside this script)
 
 
 def filled_engine(model, policy, slots: int, context: int, capacity: int, page: int) -> Engine:
@@ -46,14 +54,18 @@ def filled_engine(model, policy, slots: int, context: int, capacity: int, page: 
     return engine
 
 
-def time_steps(engine: Engine, live: np.ndarray, steps: int, temperature: float, top_p: float) -> list[float]:
+def time_steps(engine: Engine, live: np.ndarray, steps: int, temperature: float, top_p: float,
+               trace_dir: str | None = None) -> list[float]:
     """Seconds of each of `steps` engine decode steps (after one), the host's arrays included,
-    rows `live` running and the others' block-table rows cleared, as the engine leaves them."""
+    rows `live` running and the others' block-table rows cleared, as the engine leaves them;
+    with trace_dir, those steps are traced there (`jax.profiler`)."""
     b = engine.slots
     tables = np.where(live[:, None], engine.tables, paged.NO_PAGE)
     rows = lambda value, dtype: np.where(live, value, 0).astype(dtype)
     out = []
     for i in range(steps + 1):
+        if i == 1 and trace_dir:
+            jax.profiler.start_trace(trace_dir)
         t0 = time.perf_counter()
         args = (jnp.asarray(tables), jnp.ones(b, jnp.int32), jnp.asarray(live),
                 jnp.asarray(rows(temperature, np.float32)), jnp.asarray(np.where(live, top_p, 1.0).astype(np.float32)),
@@ -61,11 +73,13 @@ def time_steps(engine: Engine, live: np.ndarray, steps: int, temperature: float,
         nxt, engine.state = programs.decode(engine.model, engine.state, *args)
         np.asarray(nxt)
         out.append(time.perf_counter() - t0)
+    if trace_dir:
+        jax.profiler.stop_trace()
     return out[1:]
 
 
 def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: int, page: int,
-              steps: int) -> list[dict]:
+              steps: int, profile: bool = False) -> list[dict]:
     policy = kv_policy.make_policy(name)
     engine = filled_engine(model, policy, slots, context, capacity, page)
     running = np.arange(slots) < live
@@ -79,6 +93,11 @@ def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: i
         rows.append({**base, "variant": variant, "step_ms_p50": 1e3 * float(np.median(seconds)),
                      "step_ms_p90": 1e3 * float(np.percentile(seconds, 90))})
         print(rows[-1], flush=True)
+    if profile:  # the engine's own step again, traced: where its time goes on the GPU
+        trace_dir = tempfile.mkdtemp(prefix="oscar_engine_step_")
+        time_steps(engine, running, steps, 0.0, 1.0, trace_dir)
+        rows.append({**base, "variant": "emptied, traced", **decode_profile.summary(trace_dir, steps)})
+        print({k: v for k, v in rows[-1].items() if k != "groups"}, flush=True)
     del engine
     state = bench.filled_state(model, policy, live, context, capacity)
     timed = bench.time_decode(model, state, steps=steps, segment=8)
@@ -90,7 +109,35 @@ def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: i
     return rows
 
 
-def main() -> None:
+def _check_args(p: argparse.ArgumentParser, a) -> tuple[list[tuple[str, int, int]], int, int]:
+    """(cells, context, capacity), or `p.error` naming the option, before any model work."""
+    cells = []
+    for cell in a.cells.split(","):
+        name, _, rest = cell.partition(":")
+        slots, _, live = rest.partition(":")
+        if name not in kv_policy.POLICIES or not (slots.isdigit() and live.isdigit()) or \
+                not 1 <= int(live) <= int(slots):
+            p.error(f"--cells {cell!r}: expected KV:SLOTS:LIVE, KV one of {', '.join(kv_policy.POLICIES)}, "
+                    "1 <= LIVE <= SLOTS")
+        cells.append((name, int(slots), int(live)))
+    try:
+        context, capacity = bench._parse_count(a.context), bench._parse_count(a.capacity)
+    except ValueError:
+        p.error(f"--context {a.context!r} / --capacity {a.capacity!r}: expected token counts such as 20K")
+    if a.steps < 1 or a.page_tokens < 1:
+        p.error(f"--steps {a.steps} / --page-tokens {a.page_tokens}: expected ints >= 1")
+    room = capacity - (3 + a.profile) * (a.steps + 1)  # the running rows grow by steps + 1 in each engine run
+    if not 1 <= context <= room:
+        p.error(f"--context {a.context}: expected 1 <= context <= capacity - runs (steps + 1) = {room}")
+    if a.dtype not in ("bfloat16", "float32"):
+        p.error(f"--dtype {a.dtype!r}: expected bfloat16 or float32")
+    problem = a.out and unwritable(Path(a.out), "--out")
+    if problem:
+        p.error(problem)
+    return cells, context, capacity
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b", help="a config-only architecture (random weights)")
     p.add_argument("--cells", default="oscar:64:39,bf16:11:11", help="KV:SLOTS:LIVE, comma-separated")
@@ -98,27 +145,16 @@ def main() -> None:
     p.add_argument("--capacity", default="34816", help="tokens a slot holds at most")
     p.add_argument("--page-tokens", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--profile", action="store_true", help="also trace the engine's step (GPU) and group its kernels")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
-    a = p.parse_args()
-    context, capacity = bench._parse_count(a.context), bench._parse_count(a.capacity)
-    cells = []
-    for cell in a.cells.split(","):
-        try:
-            name, slots, live = cell.split(":")
-            cells.append((name, int(slots), int(live)))
-        except ValueError:
-            p.error(f"--cells {cell!r}: expected KV:SLOTS:LIVE")
-        if name not in kv_policy.POLICIES or not 1 <= cells[-1][2] <= cells[-1][1]:
-            p.error(f"--cells {cell!r}: expected a KV scheme of {', '.join(kv_policy.POLICIES)} and 1 <= LIVE <= SLOTS")
-    room = capacity - 3 * (a.steps + 1)  # the running rows grow by steps + 1 in each engine variant
-    if not 1 <= context <= room:
-        p.error(f"--context {a.context}: expected 1 <= context <= capacity - 3 (steps + 1) = {room}")
+    a = p.parse_args(argv)
+    cells, context, capacity = _check_args(p, a)
     model, _ = registry.load(a.model, dtype=jnp.dtype(a.dtype), random_weights=True)
     rows = [row for name, slots, live in cells
-            for row in cell_rows(model, name, slots, live, context, capacity, a.page_tokens, a.steps)]
+            for row in cell_rows(model, name, slots, live, context, capacity, a.page_tokens, a.steps, a.profile)]
     out = a.out or results.default_path("bench/results", f"engine_step_{a.model}")
-    results.write(out, results.record(rows))
+    results.write(out, results.record(rows, " ".join(["python", "bench/engine_step.py", *(argv or sys.argv[1:])])))
     print(f"wrote {out}")
 
 

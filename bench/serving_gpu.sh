@@ -49,7 +49,7 @@ for job in "$@"; do
         --out "bench/results/$dev/workload_llama3-8b_${w%-*}_prefix-${w##*-}.json" ;;
     prefill-chunks) python3 bench/prefill_chunks.py --model llama3-8b --context 32K \
         --cells oscar:pallas:256,oscar:cudnn:256,bf16:auto:256,fp8:auto:256 --out "bench/results/$dev/prefill_chunks_llama3-8b.json" ;;
-    engine-step) python3 bench/engine_step.py --model llama3-8b --cells oscar:64:39,bf16:11:11 --context 20K \
+    engine-step) python3 bench/engine_step.py --model llama3-8b --cells oscar:64:39,bf16:11:11 --context 20K --profile \
         --out "bench/results/$dev/engine_step_llama3-8b.json" ;;
     mesh-one-device) python3 bench/mesh_one_device.py --model llama3-8b --kv oscar,bf16 --context 32K --batch 8 \
         --mesh model=1 --mesh data=1,model=1,seq=1 --out "bench/results/$dev/mesh_one_device.json" ;;

@@ -342,16 +342,19 @@ def test_generate_api_refuses_before_jit(call, match):
         call(model, policy)
 
 
-def _workload_module():
+def _bench_module(name: str = "workload"):
+    """bench/<name>.py as a module (bench/ on the path, as when the script runs)."""
     import importlib.util
     import pathlib
     import sys
 
-    path = pathlib.Path(__file__).parents[1] / "bench" / "workload.py"
-    spec = importlib.util.spec_from_file_location("bench_workload", path)
-    workload = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(workload)
-    return workload
+    folder = pathlib.Path(__file__).parents[1] / "bench"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("args, option", [
@@ -374,7 +377,7 @@ def _workload_module():
     (["--out", "/proc/oscar_test.json"], "--out"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_workload_refuses_before_any_model_work(files, monkeypatch, capsys, args, option):
-    workload = _workload_module()
+    workload = _bench_module()
     monkeypatch.setattr(workload, "Decoder", lambda *a, **k: (_ for _ in ()).throw(_ModelWork("model built")))
     argv = ["--model", "tiny", "--kv-gib", "0.0002", "--out", str(files / "w.json")]
     with pytest.raises(SystemExit) as exit_info:
@@ -383,11 +386,31 @@ def test_workload_refuses_before_any_model_work(files, monkeypatch, capsys, args
     assert exit_info.value.code == 2 and "error: " in err and option in err.split("error: ")[-1], err
 
 
+@pytest.mark.parametrize("args, option", [
+    (["--cells", "oscar:4"], "--cells"),
+    (["--cells", "nope:4:2"], "--cells"),
+    (["--cells", "bf16:2:3"], "--cells"),
+    (["--cells", "bf16:2:0"], "--cells"),
+    (["--context", "lots"], "--context"),
+    (["--context", "40K"], "--context"),
+    (["--steps", "0"], "--steps"),
+    (["--dtype", "nope"], "--dtype"),
+    (["--out", "/proc/oscar_test.json"], "--out"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_engine_step_bench_refuses_before_any_model_work(monkeypatch, capsys, args, option):
+    engine_step = _bench_module("engine_step")
+    monkeypatch.setattr(engine_step.registry, "load", lambda *a, **k: (_ for _ in ()).throw(_ModelWork("loaded")))
+    with pytest.raises(SystemExit) as exit_info:
+        engine_step.main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: " in err and option in err.split("error: ")[-1], err
+
+
 def test_workload_engines_stay_within_the_workload(monkeypatch):
     """A KV budget far past the workload (the default 48 GiB with the tiny model on a CPU) gives
     no more slots than requests, nor more pages than every request's whole sequence and cached
     prompt pages take: nothing is allocated that could not be used."""
-    workload = _workload_module()
+    workload = _bench_module()
     made = {}
     monkeypatch.setattr(workload, "Engine", lambda model, policy, **kw: made.update(kw) or kw)
     args = workload.argparse.Namespace(model="tiny", page_tokens=256, scale=1.0, whole_prompts=False, kv_gib=48.0,
