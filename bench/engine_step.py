@@ -1,8 +1,8 @@
 """The serving engine's decode step alone: ms a step of the engine's own program
 (`programs.decode`: the paged pool or dense slots, per-row sampling, one call from Python with
-the engine's host work around it) with `--live` of its slots running, against the static decode
-loop of `oscar bench` over those rows alone (the same model, cache and lengths: what the step
-could take).
+the engine's host work around it) with LIVE of its SLOTS slots running, against the static
+decode loop of `oscar bench` over those rows alone (same model, cache scheme and lengths, in a
+contiguous state just long enough: what the step could take).
 
     python bench/engine_step.py --model llama3-8b --cells oscar:64:39,bf16:11:11 --context 20K
 
@@ -11,7 +11,7 @@ the sequences that finished there) and times, per variant:
   emptied   the engine's step: rows without a running sequence are emptied before the append
   attended  every row attended as if running (an engine that keeps idle rows' lengths)
   top_p     as emptied, every running row sampling at temperature 1, top_p 0.9 (the sort)
-  static    `bench.time_decode` over LIVE rows of a contiguous state, no engine
+  static    `bench.time_decode` over LIVE rows of a contiguous state just long enough, no engine
 With `--profile` the engine's step is traced once more and its GPU time grouped by kernel
 (`decode_profile.summary`: span, summed kernel time, kernel count a step).
 Writes bench/results/<device>/engine_step_<model>.json (`--out`).
@@ -99,7 +99,7 @@ def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: i
         rows.append({**base, "variant": "emptied, traced", **decode_profile.summary(trace_dir, steps)})
         print({k: v for k, v in rows[-1].items() if k != "groups"}, flush=True)
     del engine
-    state = bench.filled_state(model, policy, live, context, capacity)
+    state = bench.filled_state(model, policy, live, context, context + steps + 64)  # the rows' own length
     timed = bench.time_decode(model, state, steps=steps, segment=8)
     per_token = np.asarray(timed.pop("per_token_s"))
     del timed
