@@ -9,17 +9,21 @@ contiguous state just long enough: what the step could take).
 A cell KV:SLOTS:LIVE fills every slot with `--context` random tokens (as if idle slots held
 the sequences that finished there) and times, per variant:
   emptied   the engine's step: rows without a running sequence are emptied before the append
-  attended  every row attended as if running (an engine that keeps idle rows' lengths)
+  attended  idle rows decode as if running, their pages read as page 0 (an engine that kept
+            idle rows' lengths)
   top_p     as emptied, every running row sampling at temperature 1, top_p 0.9 (the sort)
   static    `bench.time_decode` over LIVE rows of a contiguous state just long enough, no engine
+            (per token of 8-step segments)
 With `--profile` the engine's step is traced once more and its GPU time grouped by kernel
-(`decode_profile.summary`: span, summed kernel time, kernel count a step).
+(`decode_profile.summary`: the span from its first GPU event to its last, host gaps between
+steps included; summed kernel and copy time; their count a step).
 Writes bench/results/<device>/engine_step_<model>.json (`--out`).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -41,35 +45,36 @@ import decode_profile  # noqa: E402  (bench/, beside this script)
 
 
 def filled_engine(model, policy, slots: int, context: int, capacity: int, page: int) -> Engine:
-    """An engine of `slots` slots, each holding the same `context` random tokens (its pages
-    in the block table)."""
+    """An engine of `slots` slots, each holding the same `context` random tokens (every page a
+    slot can take in its block-table row, so appends always find theirs)."""
     engine = Engine(model, policy, slots=slots, max_len=capacity, page_tokens=page, prefill_chunk=page)
     part = bench.filled_state(model, engine._part_policy, 1, context, engine.capacity, chunk=engine._chunk)
-    pages = engine._pages_for(context) if engine.paged else 0
+    per_slot = engine.tables.shape[1] if engine.paged else 0
     for b in range(slots):
-        per_slot = engine.tables.shape[1]
-        engine.tables[b, :pages] = np.arange(b * per_slot, b * per_slot + pages)
+        engine.tables[b, :per_slot] = np.arange(b * per_slot, (b + 1) * per_slot)
         engine.state = programs.insert(engine.state, part, jnp.int32(b), jnp.asarray(engine.tables), jnp.int32(0))
     jax.block_until_ready(engine.state)
     return engine
 
 
-def time_steps(engine: Engine, live: np.ndarray, steps: int, temperature: float, top_p: float,
-               trace_dir: str | None = None) -> list[float]:
-    """Seconds of each of `steps` engine decode steps (after one), the host's arrays included,
-    rows `live` running and the others' block-table rows cleared, as the engine leaves them;
-    with trace_dir, those steps are traced there (`jax.profiler`)."""
+def time_steps(engine: Engine, running: np.ndarray, steps: int, temperature: float, top_p: float, *,
+               attend_idle: bool = False, trace_dir: str | None = None) -> list[float]:
+    """Seconds of each of `steps` engine decode steps (after one), the host's arrays included:
+    rows `running` decode, the others' block-table rows are cleared as the engine leaves them;
+    attend_idle: those rows still decode as if live (then each of their pages reads as page 0, as
+    an engine that kept idle rows' lengths did). trace_dir: those steps are traced there."""
     b = engine.slots
-    tables = np.where(live[:, None], engine.tables, paged.NO_PAGE)
-    rows = lambda value, dtype: np.where(live, value, 0).astype(dtype)
+    tables = np.where(running[:, None], engine.tables, paged.NO_PAGE)
+    live = np.ones(b, bool) if attend_idle else running
+    rows = lambda value, dtype: np.where(running, value, 0).astype(dtype)
     out = []
     for i in range(steps + 1):
         if i == 1 and trace_dir:
             jax.profiler.start_trace(trace_dir)
         t0 = time.perf_counter()
-        args = (jnp.asarray(tables), jnp.ones(b, jnp.int32), jnp.asarray(live),
-                jnp.asarray(rows(temperature, np.float32)), jnp.asarray(np.where(live, top_p, 1.0).astype(np.float32)),
-                jnp.zeros(b, jnp.int32), jnp.asarray(rows(i + 1, np.int32)))
+        sampling = (rows(temperature, np.float32), np.where(running, top_p, 1.0).astype(np.float32),
+                    np.zeros(b, np.int32), rows(i + 1, np.int32))
+        args = (jnp.asarray(tables), jnp.ones(b, jnp.int32), jnp.asarray(live), *map(jnp.asarray, sampling))
         nxt, engine.state = programs.decode(engine.model, engine.state, *args)
         np.asarray(nxt)
         out.append(time.perf_counter() - t0)
@@ -78,33 +83,36 @@ def time_steps(engine: Engine, live: np.ndarray, steps: int, temperature: float,
     return out[1:]
 
 
+def _ms(seconds) -> dict:
+    return {"step_ms_p50": 1e3 * float(np.median(seconds)), "step_ms_p90": 1e3 * float(np.percentile(seconds, 90))}
+
+
 def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: int, page: int,
               steps: int, profile: bool = False) -> list[dict]:
     policy = kv_policy.make_policy(name)
     engine = filled_engine(model, policy, slots, context, capacity, page)
     running = np.arange(slots) < live
     # "attended" first: "emptied" leaves the idle rows empty.
-    variants = {"attended": (np.ones(slots, bool), 0.0, 1.0), "emptied": (running, 0.0, 1.0),
-                "top_p": (running, 1.0, 0.9)}
+    variants = {"attended": (0.0, 1.0, True), "emptied": (0.0, 1.0, False), "top_p": (1.0, 0.9, False)}
     rows = []
     base = {"kv": name, "slots": slots, "live": live, "context": context, "capacity": engine.capacity}
-    for variant, (rows_live, temperature, top_p) in variants.items():
-        seconds = time_steps(engine, rows_live, steps, temperature, top_p)
-        rows.append({**base, "variant": variant, "step_ms_p50": 1e3 * float(np.median(seconds)),
-                     "step_ms_p90": 1e3 * float(np.percentile(seconds, 90))})
+    for variant, (temperature, top_p, attend_idle) in variants.items():
+        seconds = time_steps(engine, running, steps, temperature, top_p, attend_idle=attend_idle)
+        rows.append({**base, "variant": variant, **_ms(seconds)})
         print(rows[-1], flush=True)
     if profile:  # the engine's own step again, traced: where its time goes on the GPU
         trace_dir = tempfile.mkdtemp(prefix="oscar_engine_step_")
-        time_steps(engine, running, steps, 0.0, 1.0, trace_dir)
+        time_steps(engine, running, steps, 0.0, 1.0, trace_dir=trace_dir)
         rows.append({**base, "variant": "emptied, traced", **decode_profile.summary(trace_dir, steps)})
         print({k: v for k, v in rows[-1].items() if k != "groups"}, flush=True)
+    engine.state = None  # the pool goes now, not when the cycle collector finds the engine
     del engine
-    state = bench.filled_state(model, policy, live, context, context + steps + 64)  # the rows' own length
-    timed = bench.time_decode(model, state, steps=steps, segment=8)
-    per_token = np.asarray(timed.pop("per_token_s"))
-    del timed
-    rows.append({**base, "variant": "static", "step_ms_p50": 1e3 * float(np.median(per_token)),
-                 "step_ms_p90": 1e3 * float(np.percentile(per_token, 90))})
+    gc.collect()
+    static_capacity = context + steps + 64  # the rows' own length
+    state = bench.filled_state(model, policy, live, context, static_capacity)
+    per_token = np.asarray(bench.time_decode(model, state, steps=steps, segment=8)["per_token_s"])
+    rows.append({**base, "capacity": static_capacity, "variant": "static, per token of 8-step segments",
+                 **_ms(per_token)})
     print(rows[-1], flush=True)
     return rows
 
@@ -129,6 +137,8 @@ def _check_args(p: argparse.ArgumentParser, a) -> tuple[list[tuple[str, int, int
     room = capacity - (3 + a.profile) * (a.steps + 1)  # the running rows grow by steps + 1 in each engine run
     if not 1 <= context <= room:
         p.error(f"--context {a.context}: expected 1 <= context <= capacity - runs (steps + 1) = {room}")
+    if a.profile and jax.default_backend() != "gpu":
+        p.error(f"--profile: expected a GPU (traces GPU kernels), not {jax.default_backend()}")
     if a.dtype not in ("bfloat16", "float32"):
         p.error(f"--dtype {a.dtype!r}: expected bfloat16 or float32")
     problem = a.out and unwritable(Path(a.out), "--out")

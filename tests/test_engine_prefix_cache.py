@@ -102,6 +102,29 @@ def test_prefix_hits_give_the_tokens_of_a_miss_and_survive_disk(model_name, poli
                 ).load_prefix_cache(tmp_path / "prefix")
 
 
+def test_a_slot_a_sequence_left_never_writes_into_the_cached_pages_of_the_next():
+    """A prompt restores cached pages into a slot whose last sequence finished at a length
+    within those pages, then prefills its rest over two steps while another sequence decodes:
+    the cached pages keep their contents and the prompt gets the tokens it gets alone."""
+    model, policy = MODELS["local-global"](), POLICIES["oscar"]
+    rng = np.random.default_rng(5)
+    ids = lambda n: tuple(int(x) for x in rng.integers(0, VOCAB, n))
+    cached, long, short = Request(ids(64), 3), Request(ids(20), 40), Request(ids(18), 3)
+    hit = Request(cached.prompt[:60] + ids(8), 5)  # restores pages 28-60 and their snapshot, then 2 chunks
+    make = lambda: Engine(model, policy, slots=2, max_len=MAX_LEN, page_tokens=PAGE, num_pages=12,
+                          prefill_chunk=CHUNK, max_prefills=1, prefix_cache=True)
+    engine, seen, slot_of = make(), {}, {}
+    rids = [engine.submit(r) for r in (cached, long, short, hit)]
+    while not engine.done():
+        engine.step()
+        _check_pages(engine, seen)
+        slot_of.update((seq.rid, seq.slot) for seq in engine.scheduler.running)
+    assert engine.prefix_hit_tokens == 60 and slot_of[rids[3]] == slot_of[rids[2]] != slot_of[rids[1]]
+    alone = make()
+    alone.submit(hit)
+    assert alone.run()[0] == engine.results[rids[3]]
+
+
 def test_keys_depend_on_the_policy_and_its_calibration():
     """Another calibration (rotations) or policy gives another salt, so none of its keys match."""
     model = MODELS["llama"]()
