@@ -16,6 +16,7 @@ from oscar_jax import calibrate as cal
 from oscar_jax.models import bench, calibration, capture, cli, corpus, evaluate, kv_policy, needle, registry
 from oscar_jax.models import generate as gen
 from oscar_jax.models.config import ModelConfig
+from test_bench import _bench_module
 from tiny_gguf import write_tiny_gguf
 
 for _module in cli.COMMAND_MODULES:
@@ -342,21 +343,6 @@ def test_generate_api_refuses_before_jit(call, match):
         call(model, policy)
 
 
-def _bench_module(name: str = "workload"):
-    """bench/<name>.py as a module (bench/ on the path, as when the script runs)."""
-    import importlib.util
-    import pathlib
-    import sys
-
-    folder = pathlib.Path(__file__).parents[1] / "bench"
-    if str(folder) not in sys.path:
-        sys.path.append(str(folder))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("args, option", [
     (["--prompt-tokens", "32768,4096"], "--prompt-tokens"),
     (["--output-tokens", "2048,512"], "--output-tokens"),
@@ -377,7 +363,7 @@ def _bench_module(name: str = "workload"):
     (["--out", "/proc/oscar_test.json"], "--out"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_workload_refuses_before_any_model_work(files, monkeypatch, capsys, args, option):
-    workload = _bench_module()
+    workload = _bench_module("workload")
     monkeypatch.setattr(workload, "Decoder", lambda *a, **k: (_ for _ in ()).throw(_ModelWork("model built")))
     argv = ["--model", "tiny", "--kv-gib", "0.0002", "--out", str(files / "w.json")]
     with pytest.raises(SystemExit) as exit_info:
@@ -410,7 +396,7 @@ def test_workload_engines_stay_within_the_workload(monkeypatch):
     """A KV budget far past the workload (the default 48 GiB with the tiny model on a CPU) gives
     no more slots than requests, nor more pages than every request's whole sequence and cached
     prompt pages take: nothing is allocated that could not be used."""
-    workload = _bench_module()
+    workload = _bench_module("workload")
     made = {}
     monkeypatch.setattr(workload, "Engine", lambda model, policy, **kw: made.update(kw) or kw)
     args = workload.argparse.Namespace(model="tiny", page_tokens=256, scale=1.0, whole_prompts=False, kv_gib=48.0,

@@ -16,7 +16,10 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def _bench_module(name: str):
-    """bench/<name>.py as a module (registered in sys.modules, as its dataclasses need)."""
+    """bench/<name>.py as a module (registered in sys.modules, as its dataclasses need; bench/ on
+    the path, as when the script runs beside its neighbours)."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.append(str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
