@@ -23,7 +23,6 @@ Writes bench/results/<device>/engine_step_<model>.json (`--out`).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import tempfile
@@ -105,9 +104,7 @@ def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: i
         time_steps(engine, running, steps, 0.0, 1.0, trace_dir=trace_dir)
         rows.append({**base, "variant": "emptied, traced", **decode_profile.summary(trace_dir, steps)})
         print({k: v for k, v in rows[-1].items() if k != "groups"}, flush=True)
-    engine.state = None  # the pool goes now, not when the cycle collector finds the engine
-    del engine
-    gc.collect()
+    del engine  # its pool, before the static state is allocated
     static_capacity = context + steps + 64  # the rows' own length
     state = bench.filled_state(model, policy, live, context, static_capacity)
     per_token = np.asarray(bench.time_decode(model, state, steps=steps, segment=8)["per_token_s"])

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import math
 import os
 import signal
@@ -164,13 +163,6 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
             "preemptions": d["preemptions"], "compiles_timed": None, "pages_in_use": pages}
 
 
-def free(engine: Engine) -> None:
-    """Free `engine`'s pool before the next run's is allocated (the engine is in a reference
-    cycle: dropping the name alone leaves it to the cycle collector)."""
-    engine.state = None
-    gc.collect()
-
-
 def plot(rows: list[dict], title: str, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -276,7 +268,7 @@ def main(argv=None) -> None:
             warm_s, compiled = time.perf_counter() - t0, engine.compiles
             if args.warm_up_only:
                 print(f"{kv:6s} prefix {mode:3s}: warm-up: {warm} programs in {warm_s:.1f} s", flush=True)
-                free(engine)
+                del engine  # before the next run's pool is allocated
                 continue
             row = run(engine, requests, shared_len, shared)
             row.update(warm_up_compiles=warm, warm_up_s=warm_s, compiles_timed=engine.compiles - compiled,
@@ -291,7 +283,7 @@ def main(argv=None) -> None:
                   f"of {row['prompt_tokens']} prompt tokens, {row['compiles_timed']} compiles timed"
                   + ("" if row["complete"] else f", STOPPED with {row['requests']} of {args.requests} done"),
                   flush=True)
-            free(engine)
+            del engine
             if STOP.is_set():
                 break
         if STOP.is_set():

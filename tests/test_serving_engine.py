@@ -7,6 +7,9 @@ scheduler conserves pages and slots over random arrivals and finishes (hypothesi
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -244,6 +247,40 @@ def test_sampling_rows_are_independent_of_the_batch():
     nucleus = lambda b, p: set(order[b, :int(np.searchsorted(mass[b], p)) + 1].tolist())
     assert set(draws[:, 2].tolist()) <= nucleus(2, 0.5)
     assert set(draws[:, 1].tolist()) - nucleus(1, 0.5)
+
+
+def test_sampled_rows_follow_their_own_temperature_and_nucleus():
+    """Rows of one batch, alternating temperature 0.7 with top_p 1 and temperature 1 with top_p
+    0.8, each seeded apart: the first draw from softmax(logits / 0.7), the second only from the
+    smallest prefix of sorted tokens with mass >= 0.8 (here the first two), by its softmax."""
+    logits = np.array([2.0, 1.0, 0.5, -1.0, -3.0], np.float32)
+    n = 4000
+    temperature = np.tile(np.float32([0.7, 1.0]), n // 2)
+    top_p = np.tile(np.float32([1.0, 0.8]), n // 2)
+    drawn = np.asarray(programs.sample(jnp.asarray(np.tile(logits, (n, 1))), jnp.asarray(temperature),
+                                       jnp.asarray(top_p), jnp.arange(n, dtype=jnp.int32), jnp.zeros(n, jnp.int32)))
+    freq = [np.bincount(drawn[k::2], minlength=5) / (n // 2) for k in (0, 1)]
+    tolerance = 4 * np.sqrt(0.25 / (n // 2))
+    assert np.abs(freq[0] - np.asarray(jax.nn.softmax(logits / 0.7))).max() < tolerance
+    assert freq[1][2:].sum() == 0
+    assert np.abs(freq[1][:2] - np.asarray(jax.nn.softmax(logits[:2]))).max() < tolerance
+
+
+@pytest.mark.parametrize("policy_name,prefix", [("oscar", True), ("fp8", False)])
+def test_a_dropped_engine_frees_its_pool_at_once(policy_name, prefix):
+    """An engine is in no reference cycle: with the cycle collector off, dropping the last name
+    for a served engine frees it (and its pool) there and then, before another is made."""
+    engine = Engine(MODELS["local-global"](), POLICIES[policy_name], slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE,
+                    num_pages=NUM_PAGES, prefill_chunk=4, prefix_cache=prefix)
+    engine.submit(_requests()[0])
+    engine.run()
+    gc.disable()
+    try:
+        alive = weakref.ref(engine)
+        del engine
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_request_never_fitting_the_pool_is_refused():

@@ -44,6 +44,7 @@ every running sequence; `run` steps until every request is done.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -80,6 +81,11 @@ class _Fill:
     logits: jax.Array | None = None
     snap_at: dict[int, int] = dataclasses.field(default_factory=dict)
     taken: dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+
+def _pages_for(spec, page_tokens: int, length: int) -> int:
+    """Pool pages a sequence of `length` tokens holds (`paged.pages_for`)."""
+    return int(paged.pages_for(length, spec, page_tokens))
 
 
 class Engine:
@@ -129,6 +135,9 @@ class Engine:
         else:
             self.capacity, self.num_pages, self._spec = max_len, 0, None
             self.tables = np.full((slots, 1), paged.NO_PAGE, np.int32)
+        # A function, not a bound method: the scheduler holds it, and a method would keep the engine
+        # (and its pool) alive in a reference cycle after the last name for it is dropped.
+        self._pages_for = functools.partial(_pages_for, self._spec, page_tokens)
         powers = (1 << i for i in range(max(min_bucket - 1, 0).bit_length(), self.capacity.bit_length()))
         self.buckets = tuple(t for t in powers if t < self.capacity) + (self.capacity,)  # prefill lengths
         self._prefix_cache_bytes = prefix_cache_bytes if prefix_cache else None
@@ -220,9 +229,6 @@ class Engine:
     def _chunk(self) -> int:
         """The extend chunk the caches are laid out for (1 without chunked prefill)."""
         return self.chunk or 1
-
-    def _pages_for(self, length: int) -> int:
-        return int(paged.pages_for(length, self._spec, self.page_tokens))
 
     def _init_state(self) -> kv_policy.KVState:
         cfg, policy = self.model.cfg, self.policy

@@ -66,7 +66,7 @@ def _with_lengths(state: kv_policy.KVState, lengths: jax.Array) -> kv_policy.KVS
     """`state` holding `lengths` int32 [B] tokens per row, in every layer's cache (each keeps
     its own copy of the state's lengths)."""
     def put(layer):
-        if isinstance(layer, (kv_policy.PagedLayer, kv_policy.OscarLayer)):
+        if isinstance(layer, kv_policy.PagedLayer):
             return dataclasses.replace(layer, cache=dataclasses.replace(layer.cache, lengths=lengths))
         return dataclasses.replace(layer, lengths=lengths)
     return kv_policy.KVState(tuple(put(layer) for layer in state.layers), lengths)
