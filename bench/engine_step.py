@@ -1,4 +1,4 @@
-"""The serving engine's decode step alone: ms a step of the engine's own program
+"""The serving engine's decode step alone: ms a token of the engine's own program
 (`programs.decode`: the paged pool or dense slots, per-row sampling, one call from Python with
 the engine's host work around it) with LIVE of its SLOTS slots running, against the static
 decode loop of `oscar bench` over those rows alone (same model, cache scheme and lengths, in a
@@ -7,16 +7,16 @@ contiguous state just long enough: what the step could take).
     python bench/engine_step.py --model llama3-8b --cells oscar:64:39,bf16:11:11 --context 20K
 
 A cell KV:SLOTS:LIVE fills every slot with `--context` random tokens (as if idle slots held
-the sequences that finished there) and times, per variant:
-  emptied   the engine's step: rows without a running sequence are emptied before the append
-  attended  idle rows decode as if running, their pages read as page 0 (an engine that kept
-            idle rows' lengths)
-  top_p     as emptied, every running row sampling at temperature 1, top_p 0.9 (the sort)
-  static    `bench.time_decode` over LIVE rows of a contiguous state just long enough, no engine
-            (per token of 8-step segments)
-With `--profile` the engine's step is traced once more and its GPU time grouped by kernel
+the sequences that finished there; the engine empties them before each step) and times, per
+variant, greedy unless named:
+  1 step a call    the engine's round while a prompt prefills: one decode step a call
+  K steps a call   its decode-only round: `--decode-steps` K steps a call (per token)
+  top_p            K steps a call, every running row sampling at temperature 1, top_p 0.9
+  static           `bench.time_decode` over LIVE rows of a contiguous state just long enough,
+                   no engine (per token of 8-step segments)
+With `--profile` the one-step call is traced once more and its GPU time grouped by kernel
 (`decode_profile.summary`: the span from its first GPU event to its last, host gaps between
-steps included; summed kernel and copy time; their count a step).
+calls included; summed kernel and copy time; their count a step).
 Writes bench/results/<device>/engine_step_<model>.json (`--out`).
 """
 
@@ -43,10 +43,11 @@ from oscar_jax.models.serving import Engine, programs  # noqa: E402
 import decode_profile  # noqa: E402  (bench/, beside this script)
 
 
-def filled_engine(model, policy, slots: int, context: int, capacity: int, page: int) -> Engine:
+def filled_engine(model, policy, slots: int, context: int, capacity: int, page: int, decode_steps: int) -> Engine:
     """An engine of `slots` slots, each holding the same `context` random tokens (every page a
     slot can take in its block-table row, so appends always find theirs)."""
-    engine = Engine(model, policy, slots=slots, max_len=capacity, page_tokens=page, prefill_chunk=page)
+    engine = Engine(model, policy, slots=slots, max_len=capacity, page_tokens=page, prefill_chunk=page,
+                    decode_steps=decode_steps)
     part = bench.filled_state(model, engine._part_policy, 1, context, engine.capacity, chunk=engine._chunk)
     per_slot = engine.tables.shape[1] if engine.paged else 0
     for b in range(slots):
@@ -56,27 +57,26 @@ def filled_engine(model, policy, slots: int, context: int, capacity: int, page: 
     return engine
 
 
-def time_steps(engine: Engine, running: np.ndarray, steps: int, temperature: float, top_p: float, *,
-               attend_idle: bool = False, trace_dir: str | None = None) -> list[float]:
-    """Seconds of each of `steps` engine decode steps (after one), the host's arrays included:
-    rows `running` decode, the others' block-table rows are cleared as the engine leaves them;
-    attend_idle: those rows still decode as if live (then each of their pages reads as page 0, as
-    an engine that kept idle rows' lengths did). trace_dir: those steps are traced there."""
+def time_calls(engine: Engine, running: np.ndarray, calls: int, steps_a_call: int, temperature: float,
+               top_p: float, trace_dir: str | None = None) -> list[float]:
+    """Seconds a token of each of `calls` engine decode calls of `steps_a_call` steps (after one),
+    the host's arrays included: rows `running` decode, the others are idle (block-table rows
+    cleared, emptied before each step) as the engine leaves them. trace_dir: traced there."""
     b = engine.slots
     tables = np.where(running[:, None], engine.tables, paged.NO_PAGE)
-    live = np.ones(b, bool) if attend_idle else running
     rows = lambda value, dtype: np.where(running, value, 0).astype(dtype)
     out = []
-    for i in range(steps + 1):
+    for i in range(calls + 1):
         if i == 1 and trace_dir:
             jax.profiler.start_trace(trace_dir)
         t0 = time.perf_counter()
         sampling = (rows(temperature, np.float32), np.where(running, top_p, 1.0).astype(np.float32),
-                    np.zeros(b, np.int32), rows(i + 1, np.int32))
-        args = (jnp.asarray(tables), jnp.ones(b, jnp.int32), jnp.asarray(live), *map(jnp.asarray, sampling))
-        nxt, engine.state = programs.decode(engine.model, engine.state, *args)
+                    np.zeros(b, np.int32), rows(1 + i * steps_a_call, np.int32))
+        args = (jnp.asarray(tables), jnp.ones(b, jnp.int32), jnp.asarray(running), *map(jnp.asarray, sampling))
+        nxt, engine.state = programs.decode(engine.model, engine.state, *args, jnp.int32(steps_a_call),
+                                            most=engine.decode_steps)
         np.asarray(nxt)
-        out.append(time.perf_counter() - t0)
+        out.append((time.perf_counter() - t0) / steps_a_call)
     if trace_dir:
         jax.profiler.stop_trace()
     return out[1:]
@@ -87,22 +87,24 @@ def _ms(seconds) -> dict:
 
 
 def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: int, page: int,
-              steps: int, profile: bool = False) -> list[dict]:
+              steps: int, decode_steps: int, profile: bool = False) -> list[dict]:
+    """The variants' rows of one cell (module docstring); `steps` tokens timed in each."""
     policy = kv_policy.make_policy(name)
-    engine = filled_engine(model, policy, slots, context, capacity, page)
+    engine = filled_engine(model, policy, slots, context, capacity, page, decode_steps)
     running = np.arange(slots) < live
-    # "attended" first: "emptied" leaves the idle rows empty.
-    variants = {"attended": (0.0, 1.0, True), "emptied": (0.0, 1.0, False), "top_p": (1.0, 0.9, False)}
+    k = decode_steps
+    variants = {"1 step a call": (1, 0.0, 1.0), f"{k} steps a call": (k, 0.0, 1.0),
+                f"top_p, {k} steps a call": (k, 1.0, 0.9)}
     rows = []
     base = {"kv": name, "slots": slots, "live": live, "context": context, "capacity": engine.capacity}
-    for variant, (temperature, top_p, attend_idle) in variants.items():
-        seconds = time_steps(engine, running, steps, temperature, top_p, attend_idle=attend_idle)
+    for variant, (steps_a_call, temperature, top_p) in variants.items():
+        seconds = time_calls(engine, running, -(-steps // steps_a_call), steps_a_call, temperature, top_p)
         rows.append({**base, "variant": variant, **_ms(seconds)})
         print(rows[-1], flush=True)
-    if profile:  # the engine's own step again, traced: where its time goes on the GPU
+    if profile:  # the one-step call again, traced: where its time goes on the GPU
         trace_dir = tempfile.mkdtemp(prefix="oscar_engine_step_")
-        time_steps(engine, running, steps, 0.0, 1.0, trace_dir=trace_dir)
-        rows.append({**base, "variant": "emptied, traced", **decode_profile.summary(trace_dir, steps)})
+        time_calls(engine, running, steps, 1, 0.0, 1.0, trace_dir=trace_dir)
+        rows.append({**base, "variant": "1 step a call, traced", **decode_profile.summary(trace_dir, steps)})
         print({k: v for k, v in rows[-1].items() if k != "groups"}, flush=True)
     del engine  # its pool, before the static state is allocated
     static_capacity = context + steps + 64  # the rows' own length
@@ -129,11 +131,12 @@ def _check_args(p: argparse.ArgumentParser, a) -> tuple[list[tuple[str, int, int
         context, capacity = bench._parse_count(a.context), bench._parse_count(a.capacity)
     except ValueError:
         p.error(f"--context {a.context!r} / --capacity {a.capacity!r}: expected token counts such as 20K")
-    if a.steps < 1 or a.page_tokens < 1:
-        p.error(f"--steps {a.steps} / --page-tokens {a.page_tokens}: expected ints >= 1")
-    room = capacity - (3 + a.profile) * (a.steps + 1)  # the running rows grow by steps + 1 in each engine run
+    if min(a.steps, a.page_tokens, a.decode_steps) < 1:
+        p.error(f"--steps {a.steps} / --page-tokens {a.page_tokens} / --decode-steps {a.decode_steps}: "
+                "expected ints >= 1")
+    room = capacity - (3 + a.profile) * (a.steps + 2 * a.decode_steps)  # what the running rows grow by, at most
     if not 1 <= context <= room:
-        p.error(f"--context {a.context}: expected 1 <= context <= capacity - runs (steps + 1) = {room}")
+        p.error(f"--context {a.context}: expected 1 <= context <= capacity - runs (steps + 2 decode steps) = {room}")
     if a.profile and jax.default_backend() != "gpu":
         p.error(f"--profile: expected a GPU (traces GPU kernels), not {jax.default_backend()}")
     if a.dtype not in ("bfloat16", "float32"):
@@ -151,7 +154,8 @@ def main(argv=None) -> None:
     p.add_argument("--context", default="20K", help="tokens every slot holds")
     p.add_argument("--capacity", default="34816", help="tokens a slot holds at most")
     p.add_argument("--page-tokens", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=32, help="tokens timed in each variant")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps a call of the K-step variants")
     p.add_argument("--profile", action="store_true", help="also trace the engine's step (GPU) and group its kernels")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
@@ -159,7 +163,8 @@ def main(argv=None) -> None:
     cells, context, capacity = _check_args(p, a)
     model, _ = registry.load(a.model, dtype=jnp.dtype(a.dtype), random_weights=True)
     rows = [row for name, slots, live in cells
-            for row in cell_rows(model, name, slots, live, context, capacity, a.page_tokens, a.steps, a.profile)]
+            for row in cell_rows(model, name, slots, live, context, capacity, a.page_tokens, a.steps, a.decode_steps,
+                                 a.profile)]
     out = a.out or results.default_path("bench/results", f"engine_step_{a.model}")
     results.write(out, results.record(rows, " ".join(["python", "bench/engine_step.py", *(argv or sys.argv[1:])])))
     print(f"wrote {out}")

@@ -14,8 +14,9 @@ by `--scale` (a tiny model on the CPU runs the same workload shape in seconds).
 Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process, with random
 weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
 slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
-Both modes prefill in chunks of a page, `--chunks-per-step` chunks between two decode steps,
-`--max-prefills` prompts at once, so on and off differ by the cache only (`--whole-prompts`:
+Both modes prefill in chunks of a page, `--chunks-per-step` chunks between two decode calls,
+`--max-prefills` prompts at once (a call runs one decode step while a prompt prefills, else up
+to `--decode-steps`), so on and off differ by the cache only (`--whole-prompts`:
 runs without the prefix cache prefill each prompt in one pass, padded to a power of two).
 `Engine.warm_up` runs first, so no timed step compiles (the record counts any that do).
 SIGTERM stops the run in progress and writes what finished, marked incomplete. Recorded per
@@ -112,6 +113,7 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: 
     return Engine(model, policy, slots=slots, max_len=max_len, page_tokens=page, num_pages=pages,
                   min_bucket=1 << (shortest.bit_length() - 1), prefill_chunk=chunk,
                   chunks_per_step=args.chunks_per_step, max_prefills=args.max_prefills, prefix_cache=prefix,
+                  decode_steps=args.decode_steps,
                   chunk_attention=args.chunk_attention)
 
 
@@ -194,7 +196,8 @@ def _check_args(p: argparse.ArgumentParser, args, modes: dict) -> None:
     """`p.error` (usage, the option named, exit 2) on a value no run can use, before any model work."""
     positive = {"--requests": args.requests, "--shared-prefix": args.shared_prefix,
                 "--oscar-slots": args.oscar_slots, "--page-tokens": args.page_tokens,
-                "--chunks-per-step": args.chunks_per_step, "--max-prefills": args.max_prefills}
+                "--chunks-per-step": args.chunks_per_step, "--max-prefills": args.max_prefills,
+                "--decode-steps": args.decode_steps}
     for option, value in positive.items():
         if value < 1:
             p.error(f"{option} {value}: expected an int >= 1")
@@ -236,6 +239,7 @@ def main(argv=None) -> None:
                    help="runs without the prefix cache prefill each prompt in one pass instead of page chunks")
     p.add_argument("--chunks-per-step", type=int, default=2, help="prefill chunks between two decode steps")
     p.add_argument("--max-prefills", type=int, default=1, help="prompts prefilling at once (admission waits)")
+    p.add_argument("--decode-steps", type=int, default=8, help="most decode steps a call (one while a prompt prefills)")
     p.add_argument("--chunk-attention", default=None,
                    help="attention implementation of the prefill chunks (default: cudnn for oscar on a GPU, "
                         "else the cache's, as decode)")
@@ -274,7 +278,8 @@ def main(argv=None) -> None:
             row.update(warm_up_compiles=warm, warm_up_s=warm_s, compiles_timed=engine.compiles - compiled,
                        rate_per_s=args.rate, scale=args.scale, shared_prefix=shared_len, shared_requests=shared,
                        kv_gib=args.kv_gib, prefill_chunk=engine.chunk, chunks_per_step=args.chunks_per_step,
-                       max_prefills=args.max_prefills, chunk_attention=engine.chunk_attention or "policy")
+                       max_prefills=args.max_prefills, decode_steps=args.decode_steps,
+                       chunk_attention=engine.chunk_attention or "policy")
             rows.append(row)
             f = lambda x: "-" if x is None else f"{x:.2f}"
             print(f"{kv:6s} prefix {mode:3s}: {row['requests_per_s']:.3f} req/s, {row['output_tokens_per_s']:.1f} "

@@ -37,8 +37,9 @@ def _requests() -> list[Request]:
 
 
 def _engine(model, policy, num_pages: int = 6) -> Engine:
+    """Rounds of up to 3 decode steps: with 6 pages, a sequence holding shared pages is swapped out."""
     return Engine(model, policy, slots=3, max_len=MAX_LEN, page_tokens=PAGE, num_pages=num_pages,
-                  prefill_chunk=CHUNK, prefix_cache=True)
+                  prefill_chunk=CHUNK, prefix_cache=True, decode_steps=3)
 
 
 def _check_pages(engine: Engine, seen: dict) -> None:

@@ -61,20 +61,22 @@ def _requests() -> list[Request]:
     return reqs
 
 
-def _engine(model, policy, chunk: int | None) -> Engine:
+def _engine(model, policy, chunk: int | None, decode_steps: int = 8) -> Engine:
     return Engine(model, policy, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, num_pages=NUM_PAGES,
-                  prefill_chunk=chunk)
+                  prefill_chunk=chunk, decode_steps=decode_steps)
 
 
-@pytest.mark.parametrize("model_name,policy_name,chunk", [("llama", "oscar", None), ("local-global", "oscar", 4),
-                                                          ("local-global", "oscar", 16), ("llama", "fp8", None)])
-def test_engine_output_equals_request_alone(model_name, policy_name, chunk):
+@pytest.mark.parametrize("model_name,policy_name,chunk,decode_steps", [
+    ("llama", "oscar", None, 2), ("local-global", "oscar", 4, 2), ("local-global", "oscar", 16, 8),
+    ("llama", "fp8", None, 3)])
+def test_engine_output_equals_request_alone(model_name, policy_name, chunk, decode_steps):
     """chunk: prompts enter in a first prefill of 1..C tokens, then chunks of C between decode steps
-    (C = 16: chunks twice the oscar policy's window of 8)."""
+    (C = 16: chunks twice the oscar policy's window of 8); decode_steps: the most steps a decode
+    call runs (rounds of several steps, with sequences stopping inside them)."""
     model, policy = MODELS[model_name](), POLICIES[policy_name]
     reqs = _requests()
     jax.clear_caches()  # the engine's programs compile here, whichever test ran before in this process
-    engine = _engine(model, policy, chunk)
+    engine = _engine(model, policy, chunk, decode_steps)
     ids = [engine.submit(r) for r in reqs[:3]]
     with pytest.raises(ValueError, match="can never fit: a prompt of 70 tokens plus max_tokens=10 needs 79"):
         engine.submit(Request((1,) * 70, 10))
@@ -87,7 +89,7 @@ def test_engine_output_equals_request_alone(model_name, policy_name, chunk):
         assert engine.scheduler.allocator.num_free == NUM_PAGES
     warm = engine.compiles
     for i, req in zip(ids, reqs):
-        alone = _engine(model, policy, chunk)
+        alone = _engine(model, policy, chunk, decode_steps)
         alone.submit(req)
         assert alone.run()[0] == together[i], f"request {i}"
         assert alone.compiles == 0, "a request alone compiled a new program after the warm-up"
@@ -340,12 +342,15 @@ def test_request_fields_are_checked_and_the_engine_goes_on(kwargs, match):
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=12),
-       st.integers(3, 12), st.integers(1, 4), st.data())
-def test_scheduler_conserves_pages_and_finishes_everything(requests, num_pages, slots, data):
-    """After every step: free + held pages = the pool, no page or slot held twice, swapped-out
-    sequences hold none; every request that is accepted finishes."""
+       st.integers(3, 12), st.integers(1, 4), st.integers(1, 9), st.data())
+def test_scheduler_conserves_pages_and_finishes_everything(requests, num_pages, slots, lookahead, data):
+    """After every round: free + held pages = the pool, no page or slot held twice, swapped-out
+    sequences hold none; before a round's decode steps every running sequence holds the pages of
+    all the tokens the round may feed it (`ahead`: lookahead, or up to its last); every request
+    that is accepted finishes."""
     page, sink_window = 8, 6
-    sched = Scheduler(slots, num_pages, lambda n: -(-max(n - sink_window, 0) // page), capacity=80)
+    pages_for = lambda n: -(-max(n - sink_window, 0) // page)
+    sched = Scheduler(slots, num_pages, pages_for, capacity=80, lookahead=lookahead)
     accepted = []
     pending = list(requests)
     for _ in range(2000):
@@ -357,10 +362,14 @@ def test_scheduler_conserves_pages_and_finishes_everything(requests, num_pages, 
                 assert "can never fit" in str(e)
         sched.schedule()
         for seq in list(sched.running):
-            sched.advance(seq)
-            if seq.length - seq.prompt_len + 1 >= seq.max_tokens or data.draw(st.integers(0, 20)) == 0:
-                sched.finish(seq)
-                seq.max_tokens = -1  # done
+            last = seq.prompt_len + seq.max_tokens - 1
+            assert len(seq.pages) >= pages_for(min(seq.length + lookahead, last))
+            for _ in range(sched.ahead(seq)):
+                sched.advance(seq)
+                if seq.length - seq.prompt_len + 1 >= seq.max_tokens or data.draw(st.integers(0, 20)) == 0:
+                    sched.finish(seq)
+                    seq.max_tokens = -1  # done
+                    break
         held = [p for s in sched.running for p in s.pages]
         assert len(held) == len(set(held)) == sched.allocator.num_used
         assert sched.allocator.num_used + sched.allocator.num_free == num_pages

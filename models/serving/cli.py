@@ -30,6 +30,8 @@ def serve(
     min_bucket: int = typer.Option(16, min=1, help="shortest prefill length (prompts are padded to powers of two)"),
     chunks_per_step: int = typer.Option(1, min=1, help="prefill chunks run between two decode steps"),
     max_prefills: int | None = typer.Option(None, min=1, help="prompts prefilling at once (default: no limit)"),
+    decode_steps: int = typer.Option(8, min=1, help="most decode steps one call runs (tokens stream in rounds of "
+                                                    "up to this many)"),
     chunk_attention: str | None = typer.Option(None, help="attention of the prefill chunks: auto, xla, pallas, "
                                                           "cudnn, ... (default: cudnn for oscar on a GPU, else "
                                                           "--kv's, as decode)"),
@@ -77,7 +79,8 @@ def serve(
         engine = Engine(decoder, policy, slots=slots, max_len=max_len, page_tokens=page_tokens, num_pages=num_pages,
                         min_bucket=min_bucket, prefill_chunk=prefill_chunk or (page_tokens if prefix_cache else None),
                         chunks_per_step=chunks_per_step, max_prefills=max_prefills, prefix_cache=prefix_cache,
-                        prefix_cache_bytes=prefix_cache_bytes, chunk_attention=chunk_attention)
+                        prefix_cache_bytes=prefix_cache_bytes, chunk_attention=chunk_attention,
+                        decode_steps=decode_steps)
     except ValueError as e:
         fail(str(e))
     if warm_up:

@@ -3,7 +3,7 @@
 `Engine(model, policy, slots=..., max_len=..., page_tokens=..., num_pages=...)` decodes up to
 `slots` sequences together in one compiled step. Requests (`Request`: prompt ids, max_tokens,
 temperature, top_p, seed, stop ids) are queued by `submit`, which refuses a request that could
-never be held; `step` runs one round of `scheduler.Scheduler`'s events and one decode step for
+never be held; `step` runs one round of `scheduler.Scheduler`'s events and then decode steps for
 every running sequence; `run` steps until every request is done.
 
 - OSCAR policies (`kv_policy.QuantPolicy`): the full-attention layers are `kv_policy.PagedLayer`s
@@ -35,7 +35,13 @@ every running sequence; `run` steps until every request is done.
   prompt with the same tokens up to m_j starts from entry j's state instead of token 0. The
   segments do not depend on whether a boundary was a hit, so a request's tokens do not either.
   `save_prefix_cache` / `load_prefix_cache` keep it on disk (orbax).
-- Compiled shapes: the decode step (one batch), one prefill of C tokens (unchunked: one per
+- Decode rounds: one call of the decode program runs up to `decode_steps` steps, each feeding
+  the tokens it sampled to the next (one step while a prompt is still prefilling, so prefill
+  keeps its share of the device; fewer where a sequence reaches max_tokens). A call's fixed
+  host cost (dispatching a program over every weight and cache array) is spread over its
+  steps. A sequence that meets a stop id inside a round decodes to the round's end into its
+  own pages (the scheduler holds the pages of a whole round), and those tokens are dropped.
+- Compiled shapes: the decode program (one batch, any step count), one prefill of C tokens (unchunked: one per
   bucket, with an insert each), the extend chunks, the swap copies; `warm_up` compiles them all
   before the first request, and `compiles` counts the compilations JAX reports since the
   engine was made.
@@ -99,21 +105,22 @@ class Engine:
     cut them every page_tokens too); prefix_cache_bytes: host memory its snapshots and dense
     rows may take before unreferenced entries are evicted; chunk_attention: the attention
     implementation of prefill's extend chunks (a policy implementation name; None:
-    `programs.default_chunk_attention`); decode keeps the policy's either way.
+    `programs.default_chunk_attention`); decode keeps the policy's either way; decode_steps: the
+    most decode steps one call runs (`step`: one call's fixed cost is spread over them).
     """
 
     def __init__(self, model, policy, *, slots: int, max_len: int, page_tokens: int = 256,
                  num_pages: int | None = None, min_bucket: int = 16, prefill_chunk: int | None = None,
                  chunks_per_step: int = 1, max_prefills: int | None = None, prefix_cache: bool = False,
-                 prefix_cache_bytes: int = 8 << 30, chunk_attention: str | None = None):
+                 prefix_cache_bytes: int = 8 << 30, chunk_attention: str | None = None, decode_steps: int = 8):
         if model.values_folded:
             raise ValueError("Engine serves unfolded decoders (decoder.fold_values's pair is not supported yet)")
         cfg = model.cfg
         for name, value in (("slots", slots), ("max_len", max_len), ("page_tokens", page_tokens),
-                            ("min_bucket", min_bucket)):
+                            ("min_bucket", min_bucket), ("decode_steps", decode_steps)):
             generate.check_count(value, name)
         cfg.check_context(max_len, f"max_len={max_len}")
-        self.model, self.policy, self.slots = model, policy, slots
+        self.model, self.policy, self.slots, self.decode_steps = model, policy, slots, decode_steps
         self.chunk_attention = chunk_attention or programs.default_chunk_attention(policy, cfg)
         self._part_policy = kv_policy.with_implementation(policy, self.chunk_attention)
         if prefill_chunk is not None and (prefill_chunk < 1 or chunks_per_step < 1):
@@ -149,7 +156,8 @@ class Engine:
     def _reset(self) -> None:
         """Empty the engine: no request, a fresh pool, scheduler and prefix cache, zeroed counters."""
         self.prefix = self._prefix_cache(self._prefix_cache_bytes) if self._prefix_cache_bytes is not None else None
-        self.scheduler = Scheduler(self.slots, self.num_pages, self._pages_for, self.capacity, self.prefix)
+        self.scheduler = Scheduler(self.slots, self.num_pages, self._pages_for, self.capacity, self.prefix,
+                                   lookahead=self.decode_steps)
         self.tables[:] = paged.NO_PAGE
         self.state = None  # free the old pool before the new one is allocated
         self.state = self._init_state()
@@ -333,7 +341,8 @@ class Engine:
 
     def step(self) -> None:
         """One round: the scheduler's events (swaps, admissions with their prefill, new pages),
-        then one decode step of every running sequence."""
+        then decode steps of every running sequence in one call: one while a prompt is still
+        prefilling, else up to `decode_steps` (fewer where a sequence reaches max_tokens)."""
         start = time.perf_counter()
         room = None if self.max_prefills is None else max(0, self.max_prefills - len(self._prefilling))
         for event in self.scheduler.schedule(admit=room):
@@ -352,15 +361,22 @@ class Engine:
                 tokens[seq.slot], live[seq.slot] = self._next_token[seq.rid], True
                 temperature[seq.slot], top_p[seq.slot], seeds[seq.slot] = req.temperature, req.top_p, req.seed
                 counts[seq.slot] = len(self.results[seq.rid].tokens)
-            nxt, self.state = programs.decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
+            # A round with a prompt still prefilling decodes one step, so its chunks keep their share.
+            steps = 1 if self._prefilling else min(self.scheduler.ahead(seq) for seq in running)
+            out, self.state = programs.decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
                                               jnp.asarray(live), jnp.asarray(temperature), jnp.asarray(top_p),
-                                              jnp.asarray(seeds), jnp.asarray(counts))
-            nxt = np.asarray(nxt)
+                                              jnp.asarray(seeds), jnp.asarray(counts), jnp.int32(steps),
+                                              most=self.decode_steps)
+            out = np.asarray(out)
             self.decode_seconds += time.perf_counter() - decode_start
-            self.decode_tokens += len(running)
             for seq in running:
-                self.scheduler.advance(seq)
-                self._emit(seq, int(nxt[seq.slot]))
+                slot = seq.slot
+                for i in range(steps):  # tokens past a stop are dropped (their appends went to its own pages)
+                    self.scheduler.advance(seq)
+                    self._emit(seq, int(out[i, slot]))
+                    self.decode_tokens += 1
+                    if seq.rid not in self._next_token:
+                        break
         self.pages_used.append(self.scheduler.pages_in_use())
 
     def _set_table(self, slot: int, pages: list[int]) -> None:

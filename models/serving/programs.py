@@ -72,15 +72,27 @@ def _with_lengths(state: kv_policy.KVState, lengths: jax.Array) -> kv_policy.KVS
     return kv_policy.KVState(tuple(put(layer) for layer in state.layers), lengths)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def decode(model, state, tables, tokens, live, temperature, top_p, seeds, counts):
-    """One decode step of every slot: tokens int32 [B] enter the cache -> (next int32 [B], state).
-    Rows not `live` (bool [B]: idle, prefilling or swapped-out slots) are emptied first, so such
-    a row attends to its one new token, not to the history a finished sequence left there."""
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=("most",))
+def decode(model, state, tables, tokens, live, temperature, top_p, seeds, counts, steps, *, most: int = 1):
+    """`steps` (int32 scalar, 1..most; traced: one program for every count) decode steps of every
+    slot, each step's tokens fed to the next: tokens int32 [B] enter the cache first ->
+    (out int32 [most, B]: step i's tokens in row i, rows >= steps zero; state). Step i samples
+    with counts + i. Before every step the rows not `live` (bool [B]: idle, prefilling or
+    swapped-out slots) are emptied, so such a row attends to its one new token, not to the
+    history a finished sequence left there. The caller holds the pages of `steps` more tokens
+    for every live row (`Scheduler.ahead`)."""
     state = _with_tables(state, tables)
-    state = _with_lengths(state, jnp.where(live, state.lengths, 0))
-    logits, state = generate._step_logits(model, state, tokens[:, None])
-    return sample_rows(logits[:, 0], temperature, top_p, seeds, counts), state
+
+    def step(i, carry):
+        tok, out, state = carry
+        state = _with_lengths(state, jnp.where(live, state.lengths, 0))
+        logits, state = generate._step_logits(model, state, tok[:, None])
+        nxt = sample_rows(logits[:, 0], temperature, top_p, seeds, counts + i)
+        return nxt, out.at[i].set(nxt), state
+
+    out = jnp.zeros((most, tokens.shape[0]), jnp.int32)
+    _, out, state = jax.lax.fori_loop(0, jnp.minimum(steps, most), step, (tokens, out, state))
+    return out, state
 
 
 sample = jax.jit(sample_rows)

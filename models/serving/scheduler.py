@@ -4,13 +4,14 @@ pages, and in what order sequences enter, grow, leave for host memory and come b
 Pure Python over `oscar_jax.paged.PageAllocator`; the engine (`engine.py`) carries out the
 events `schedule` returns on the device. Rules, in order, once per step:
 
-1. every running sequence gets the pages its next token needs, oldest admission first; when
+1. every running sequence gets the pages the tokens of its next decode round need (up to
+   `lookahead` tokens, never past its last: prompt + max_tokens - 1), oldest admission first; when
    too few are free, the most recently admitted running sequence is swapped out (its pages and
    slot freed; the engine copies them to host memory first), until enough are free;
 2. swapped-out sequences come back (first out, first in) while a slot and the pages for their
-   next token are free;
+   next round are free;
 3. only when none is left swapped out, waiting requests are admitted (first come, first
-   served) while a slot and the pages for their prompt and first generated token are free
+   served) while a slot and the pages for their prompt and first decode round are free
    (and, when the engine bounds the prompts prefilling at once, while it has room for one).
 
 With a prefix cache (`prefix_cache.PrefixCache`), pages held only by cached entries count as
@@ -69,11 +70,15 @@ class Event:
 class Scheduler:
     """slots: sequences decoded together (the compiled batch); num_pages: the pool (0: no paged
     layers, slots only); pages_for(length) -> pages a sequence of that many tokens holds;
-    capacity: the most tokens one slot holds; prefix: a `PrefixCache` over `allocator` (None: off)."""
+    capacity: the most tokens one slot holds; prefix: a `PrefixCache` over `allocator` (None: off);
+    lookahead: the most tokens one decode round feeds a sequence (the engine's decode steps a call)."""
 
     def __init__(self, slots: int, num_pages: int, pages_for: Callable[[int], int], capacity: int,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, lookahead: int = 1):
+        if lookahead < 1:
+            raise ValueError(f"lookahead={lookahead}: expected >= 1")
         self.slots = slots
+        self.lookahead = lookahead
         self.allocator = PageAllocator(num_pages) if num_pages else None
         self.prefix = prefix
         if prefix is not None:
@@ -112,6 +117,11 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
+    def ahead(self, seq: Sequence) -> int:
+        """Tokens seq's next decode round may feed it: `lookahead`, or fewer where that reaches its
+        last fed token (prompt + max_tokens - 1: the last generated token is never fed back)."""
+        return max(1, min(self.lookahead, seq.prompt_len + seq.max_tokens - 1 - seq.length))
+
     def _take(self, n: int) -> list[int]:
         if n and self.prefix and n > self.allocator.num_free:
             self.prefix.evict(pages=n - self.allocator.num_free)
@@ -140,16 +150,16 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # swapped out for an older sequence's pages
                 continue
-            need = self.pages_for(seq.length + 1) - len(seq.pages)
+            need = self.pages_for(seq.length + self.ahead(seq)) - len(seq.pages)
             while need > self.num_free_pages and seq in self.running:
                 events.append(self._swap_out(self.running[-1]))
             if seq in self.running and need > 0:
                 new = self._take(need)
                 seq.pages += new
                 events.append(Event("grow", seq, tuple(new)))
-        while self.swapped and self._fits(self.swapped[0].length + 1):
+        while self.swapped and self._fits(self.swapped[0].length + self.ahead(self.swapped[0])):
             seq = self.swapped.pop(0)
-            self._enter(seq, seq.length + 1)
+            self._enter(seq, seq.length + self.ahead(seq))
             events.append(Event("swap_in", seq))
         while not self.swapped and self.waiting and (admit is None or admit > 0):
             seq = self.waiting[0]
@@ -157,7 +167,7 @@ class Scheduler:
             if not self.allocator:
                 shared = restored  # no pages to share: only what a snapshot restores
             pinned = self.prefix.cached_pages_among(seq.keys[:shared]) if self.prefix and self.allocator else 0
-            first = seq.prompt_len + (seq.max_tokens > 1)  # the first decode step's tokens (none: done at prefill)
+            first = seq.prompt_len + min(self.lookahead, seq.max_tokens - 1)  # its first round (none: done at prefill)
             if not self._fits(first, held=shared - pinned):
                 break
             self.waiting.pop(0)
