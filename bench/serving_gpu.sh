@@ -11,7 +11,7 @@
 #                     oscar, bf16, fp8, P the prefix cache: on or off
 #   prefill-chunks    extend chunks of 256 tokens at depths 1K-31K of a 32K prompt, Triton against cuDNN
 #                     (OSCAR) and bf16/fp8 (cuDNN), beside the one-pass prefill (bench/prefill_chunks.py)
-#   engine-step       the engine's decode step with idle slots (idle rows emptied or attended, greedy or top_p)
+#   engine-step       the engine's decode step with idle slots: one step a call and rounds of 8, greedy or top_p
 #                     against the static decode loop of the running rows (bench/engine_step.py)
 #   mesh-one-device   the decode step on one-device meshes (model=1; data=1,model=1,seq=1) against none, oscar and
 #                     bf16 at 32K, batch 8 (bench/mesh_one_device.py)
