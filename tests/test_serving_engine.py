@@ -83,6 +83,10 @@ def test_engine_output_equals_request_alone(model_name, policy_name, chunk, deco
     ids += [engine.submit(r) for r in reqs[3:]]
     together = engine.run()
     assert all(together[i].finish is not None for i in ids)
+    assert engine.decode_tokens == sum(len(together[i].tokens) - 1 for i in ids)  # the first from prefill
+    for layer in engine.state.layers:  # no append ever missed its page
+        if isinstance(layer, kv_policy.PagedLayer):
+            assert not np.asarray(layer.cache.overflow).any()
     if engine.paged:
         assert engine.preemptions >= 1  # the pool (6 pages) is smaller than the three slots' need
         assert max(engine.pages_used) <= NUM_PAGES and engine.pages_used[-1] == 0
@@ -94,6 +98,9 @@ def test_engine_output_equals_request_alone(model_name, policy_name, chunk, deco
         assert alone.run()[0] == together[i], f"request {i}"
         assert alone.compiles == 0, "a request alone compiled a new program after the warm-up"
     assert warm > 0
+    one_step = _engine(model, policy, chunk, decode_steps=1)  # a sampled request's tokens, round by round
+    one_step.submit(reqs[3])
+    assert one_step.run()[0] == together[ids[3]]
     for i, req in zip(ids, reqs):
         if req.temperature == 0 and not req.stop_ids:
             assert together[i].tokens == _contiguous(model, policy, req, chunk), f"request {i} against generate"
@@ -310,6 +317,17 @@ def test_engine_refuses_bad_arguments_naming_them(kwargs, match):
         Engine(model, policy, **{"slots": SLOTS, "max_len": MAX_LEN, "page_tokens": PAGE, **kwargs})
 
 
+def test_a_prompt_filling_its_slot_with_one_token_to_generate_serves():
+    """A chunked prompt of a slot's whole capacity with max_tokens = 1 holds the pages of its
+    prompt alone (its one token comes from the prefill; asking for one token more overran the
+    block table), then finishes with `generate`'s token."""
+    model, policy = MODELS["llama"](), POLICIES["oscar"]
+    engine = _engine(model, policy, 4)
+    req = Request(tuple(range(1, MAX_LEN + 1)), 1)
+    rid = engine.submit(req)
+    assert engine.run()[rid].tokens == _contiguous(model, policy, req, 4)
+
+
 def test_engine_max_len_within_sink_and_window_serves():
     """A slot shorter than the OSCAR policy's sink + window (4 + 8) still gets one page (the pool
     cannot be empty), and its greedy tokens are `generate`'s."""
@@ -363,7 +381,10 @@ def test_scheduler_conserves_pages_and_finishes_everything(requests, num_pages, 
         sched.schedule()
         for seq in list(sched.running):
             last = seq.prompt_len + seq.max_tokens - 1
-            assert len(seq.pages) >= pages_for(min(seq.length + lookahead, last))
+            assert pages_for(min(seq.length + lookahead, last)) <= len(seq.pages) <= pages_for(last)
+            if sched.ahead(seq) == 0:  # max_tokens 1: its one token came from its prefill
+                sched.finish(seq)
+                seq.max_tokens = -1
             for _ in range(sched.ahead(seq)):
                 sched.advance(seq)
                 if seq.length - seq.prompt_len + 1 >= seq.max_tokens or data.draw(st.integers(0, 20)) == 0:

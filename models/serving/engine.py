@@ -1,7 +1,7 @@
 """Continuous batching over a paged KV pool (docs/paged.md §4).
 
 `Engine(model, policy, slots=..., max_len=..., page_tokens=..., num_pages=...)` decodes up to
-`slots` sequences together in one compiled step. Requests (`Request`: prompt ids, max_tokens,
+`slots` sequences together in one compiled program. Requests (`Request`: prompt ids, max_tokens,
 temperature, top_p, seed, stop ids) are queued by `submit`, which refuses a request that could
 never be held; `step` runs one round of `scheduler.Scheduler`'s events and then decode steps for
 every running sequence; `run` steps until every request is done.
@@ -22,7 +22,7 @@ every running sequence; `run` steps until every request is done.
   one-row cache holds a slot's capacity and its first 1..C tokens are padded to C (one
   compiled shape each, whatever the prompt's length); `max_prefills` bounds the prompts
   prefilling at once (admission waits), and with it the memory their one-row caches take.
-- Sampling: temperature, top_p and the seed are per-row arrays of the one compiled step (not
+- Sampling: temperature, top_p and the seed are per-row arrays of the one compiled program (not
   static arguments); token i of a request draws with `fold_in(key(seed), i)`, so a request's
   tokens do not depend on what else runs beside it.
 - Preemption: a sequence pushed out for pages is copied to host memory (its slot rows and pages)
@@ -36,8 +36,9 @@ every running sequence; `run` steps until every request is done.
   segments do not depend on whether a boundary was a hit, so a request's tokens do not either.
   `save_prefix_cache` / `load_prefix_cache` keep it on disk (orbax).
 - Decode rounds: one call of the decode program runs up to `decode_steps` steps, each feeding
-  the tokens it sampled to the next (one step while a prompt is still prefilling, so prefill
-  keeps its share of the device; fewer where a sequence reaches max_tokens). A call's fixed
+  the tokens it sampled to the next (one step while a prompt holding a slot is still
+  prefilling, so prefill keeps its share of the device, and where a prefill just ended, so its
+  first token is not held back a round; fewer where a sequence reaches max_tokens). A call's fixed
   host cost (dispatching a program over every weight and cache array) is spread over its
   steps. A sequence that meets a stop id inside a round decodes to the round's end into its
   own pages (the scheduler holds the pages of a whole round), and those tokens are dropped.
@@ -175,6 +176,7 @@ class Engine:
         # (with the tokens those generated): the decode phase's throughput apart from prefill.
         self.prefill_seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
+        self._entered = 0  # sequences whose prefill ended (their first token taken)
 
     def warm_up(self) -> int:
         """Compile every program serving runs (the decode step, the prefill (unchunked: per
@@ -341,9 +343,10 @@ class Engine:
 
     def step(self) -> None:
         """One round: the scheduler's events (swaps, admissions with their prefill, new pages),
-        then decode steps of every running sequence in one call: one while a prompt is still
-        prefilling, else up to `decode_steps` (fewer where a sequence reaches max_tokens)."""
-        start = time.perf_counter()
+        then decode steps of every running sequence in one call: one while a prompt holding a
+        slot is still prefilling or where a prefill just ended, else up to `decode_steps`
+        (fewer where a sequence reaches max_tokens)."""
+        start, entered = time.perf_counter(), self._entered
         room = None if self.max_prefills is None else max(0, self.max_prefills - len(self._prefilling))
         for event in self.scheduler.schedule(admit=room):
             self._apply(event)
@@ -361,8 +364,11 @@ class Engine:
                 tokens[seq.slot], live[seq.slot] = self._next_token[seq.rid], True
                 temperature[seq.slot], top_p[seq.slot], seeds[seq.slot] = req.temperature, req.top_p, req.seed
                 counts[seq.slot] = len(self.results[seq.rid].tokens)
-            # A round with a prompt still prefilling decodes one step, so its chunks keep their share.
-            steps = 1 if self._prefilling else min(self.scheduler.ahead(seq) for seq in running)
+            # One step while a prompt holding a slot prefills (its chunks keep their share of the
+            # device) or where a sequence just took its first token (it reaches the caller now).
+            prefilling = any(self._seqs[rid].slot is not None for rid in self._prefilling)
+            one = prefilling or self._entered > entered
+            steps = 1 if one else min(self.scheduler.ahead(seq) for seq in running)
             out, self.state = programs.decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
                                               jnp.asarray(live), jnp.asarray(temperature), jnp.asarray(top_p),
                                               jnp.asarray(seeds), jnp.asarray(counts), jnp.int32(steps),
@@ -527,6 +533,7 @@ class Engine:
         """Insert seq's prefilled one-row state into its slot (its shared pages left as they are),
         its boundaries into the prefix cache; its first token from the last logits [1, V]."""
         req = self.requests[seq.rid]
+        self._entered += 1
         self.state = programs.insert(self.state, fill.part, jnp.int32(seq.slot), jnp.asarray(self.tables),
                                      jnp.int32(seq.shared))
         if seq.keys:

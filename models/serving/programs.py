@@ -1,5 +1,5 @@
-"""The serving engine's device programs (`engine.Engine` calls them): one decode step of every slot
-with per-row sampling, a prefilled row's insertion into a slot and its pages, and a slot's
+"""The serving engine's device programs (`engine.Engine` calls them): a round of decode steps of
+every slot with per-row sampling, a prefilled row's insertion into a slot and its pages, and a slot's
 copies to and from host memory for swapping; and the attention its prefill chunks run. Each is
 jitted once per shape; those that take the engine's state donate it, so the pool is updated in
 place."""

@@ -119,8 +119,9 @@ class Scheduler:
 
     def ahead(self, seq: Sequence) -> int:
         """Tokens seq's next decode round may feed it: `lookahead`, or fewer where that reaches its
-        last fed token (prompt + max_tokens - 1: the last generated token is never fed back)."""
-        return max(1, min(self.lookahead, seq.prompt_len + seq.max_tokens - 1 - seq.length))
+        last fed token (prompt + max_tokens - 1: the last generated token is never fed back; 0
+        for a prompt whose one token comes from its prefill)."""
+        return max(0, min(self.lookahead, seq.prompt_len + seq.max_tokens - 1 - seq.length))
 
     def _take(self, n: int) -> list[int]:
         if n and self.prefix and n > self.allocator.num_free:
