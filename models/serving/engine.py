@@ -37,15 +37,15 @@ every running sequence; `run` steps until every request is done.
   `save_prefix_cache` / `load_prefix_cache` keep it on disk (orbax).
 - Decode rounds: one call of the decode program runs up to `decode_steps` steps, each feeding
   the tokens it sampled to the next (one step while a prompt holding a slot is still
-  prefilling, so prefill keeps its share of the device, and where a prefill just ended, so its
-  first token is not held back a round; fewer where a sequence reaches max_tokens). A call's fixed
-  host cost (dispatching a program over every weight and cache array) is spread over its
-  steps. A sequence that meets a stop id inside a round decodes to the round's end into its
-  own pages (the scheduler holds the pages of a whole round), and those tokens are dropped.
-- Compiled shapes: the decode program (one batch, any step count), one prefill of C tokens (unchunked: one per
-  bucket, with an insert each), the extend chunks, the swap copies; `warm_up` compiles them all
-  before the first request, and `compiles` counts the compilations JAX reports since the
-  engine was made.
+  prefilling, so prefill keeps its share of the device, and where a prefill just ended, so
+  its first token is not held back a round; fewer where a sequence reaches max_tokens). A
+  call's fixed host cost (dispatching a program over every weight and cache array) is spread
+  over its steps. A sequence that meets a stop id inside a round decodes to the round's end
+  into its own pages (the scheduler holds the pages of a whole round); those tokens are dropped.
+- Compiled shapes: the decode program (one batch, any step count), one prefill of C tokens
+  (unchunked: one per bucket, with an insert each), the extend chunks, the swap copies;
+  `warm_up` compiles them all before the first request, and `compiles` counts the
+  compilations JAX reports since the engine was made.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ class Engine:
         self._entered = 0  # sequences whose prefill ended (their first token taken)
 
     def warm_up(self) -> int:
-        """Compile every program serving runs (the decode step, the prefill (unchunked: per
+        """Compile every program serving runs (the decode program, the prefill (unchunked: per
         bucket), the extend chunks, the insert, the swap copies; with the prefix cache its
         snapshots and restores) by serving synthetic requests one at a time, then empty the
         engine again (`_reset`). Returns the compilations that took. ValueError once a request
