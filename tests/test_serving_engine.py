@@ -317,6 +317,19 @@ def test_engine_refuses_bad_arguments_naming_them(kwargs, match):
         Engine(model, policy, **{"slots": SLOTS, "max_len": MAX_LEN, "page_tokens": PAGE, **kwargs})
 
 
+def test_a_round_where_a_prefill_ends_is_one_step_and_later_rounds_are_whole():
+    """decode_steps = 8: the round that prefills a request decodes one step, so its first token
+    is out after that round with one more; the next round decodes 8; the last stops at
+    max_tokens (20 = 2 + 8 + 8 + 2)."""
+    engine = _engine(MODELS["llama"](), POLICIES["oscar"], None)
+    rid = engine.submit(Request((5, 17, 3, 60, 8), 20))
+    counts = []
+    while not engine.done():
+        engine.step()
+        counts.append(len(engine.results[rid].tokens))
+    assert counts == [2, 10, 18, 20]
+
+
 def test_a_prompt_filling_its_slot_with_one_token_to_generate_serves():
     """A chunked prompt of a slot's whole capacity with max_tokens = 1 holds the pages of its
     prompt alone (its one token comes from the prefill; asking for one token more overran the
@@ -385,6 +398,7 @@ def test_scheduler_conserves_pages_and_finishes_everything(requests, num_pages, 
             if sched.ahead(seq) == 0:  # max_tokens 1: its one token came from its prefill
                 sched.finish(seq)
                 seq.max_tokens = -1
+                continue
             for _ in range(sched.ahead(seq)):
                 sched.advance(seq)
                 if seq.length - seq.prompt_len + 1 >= seq.max_tokens or data.draw(st.integers(0, 20)) == 0:

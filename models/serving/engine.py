@@ -176,7 +176,6 @@ class Engine:
         # (with the tokens those generated): the decode phase's throughput apart from prefill.
         self.prefill_seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
-        self._entered = 0  # sequences whose prefill ended (their first token taken)
 
     def warm_up(self) -> int:
         """Compile every program serving runs (the decode program, the prefill (unchunked: per
@@ -346,7 +345,7 @@ class Engine:
         then decode steps of every running sequence in one call: one while a prompt holding a
         slot is still prefilling or where a prefill just ended, else up to `decode_steps`
         (fewer where a sequence reaches max_tokens)."""
-        start, entered = time.perf_counter(), self._entered
+        start = time.perf_counter()
         room = None if self.max_prefills is None else max(0, self.max_prefills - len(self._prefilling))
         for event in self.scheduler.schedule(admit=room):
             self._apply(event)
@@ -365,10 +364,11 @@ class Engine:
                 temperature[seq.slot], top_p[seq.slot], seeds[seq.slot] = req.temperature, req.top_p, req.seed
                 counts[seq.slot] = len(self.results[seq.rid].tokens)
             # One step while a prompt holding a slot prefills (its chunks keep their share of the
-            # device) or where a sequence just took its first token (it reaches the caller now).
+            # device) or where a sequence holds only the first token its prefill gave (so that
+            # token reaches the caller now).
             prefilling = any(self._seqs[rid].slot is not None for rid in self._prefilling)
-            one = prefilling or self._entered > entered
-            steps = 1 if one else min(self.scheduler.ahead(seq) for seq in running)
+            fresh = any(len(self.results[seq.rid].tokens) == 1 for seq in running)
+            steps = 1 if prefilling or fresh else min(self.scheduler.ahead(seq) for seq in running)
             out, self.state = programs.decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
                                               jnp.asarray(live), jnp.asarray(temperature), jnp.asarray(top_p),
                                               jnp.asarray(seeds), jnp.asarray(counts), jnp.int32(steps),
@@ -533,7 +533,6 @@ class Engine:
         """Insert seq's prefilled one-row state into its slot (its shared pages left as they are),
         its boundaries into the prefix cache; its first token from the last logits [1, V]."""
         req = self.requests[seq.rid]
-        self._entered += 1
         self.state = programs.insert(self.state, fill.part, jnp.int32(seq.slot), jnp.asarray(self.tables),
                                      jnp.int32(seq.shared))
         if seq.keys:

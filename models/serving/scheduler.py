@@ -117,11 +117,13 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
-    def ahead(self, seq: Sequence) -> int:
-        """Tokens seq's next decode round may feed it: `lookahead`, or fewer where that reaches its
-        last fed token (prompt + max_tokens - 1: the last generated token is never fed back; 0
-        for a prompt whose one token comes from its prefill)."""
-        return max(0, min(self.lookahead, seq.prompt_len + seq.max_tokens - 1 - seq.length))
+    def ahead(self, seq: Sequence, length: int | None = None) -> int:
+        """Tokens seq's next decode round may feed it when it holds `length` (default: its own)
+        tokens: `lookahead`, or fewer where that reaches its last fed token (prompt + max_tokens
+        - 1: the last generated token is never fed back; 0 for a prompt whose one token comes
+        from its prefill)."""
+        held = seq.length if length is None else length
+        return max(0, min(self.lookahead, seq.prompt_len + seq.max_tokens - 1 - held))
 
     def _take(self, n: int) -> list[int]:
         if n and self.prefix and n > self.allocator.num_free:
@@ -168,7 +170,7 @@ class Scheduler:
             if not self.allocator:
                 shared = restored  # no pages to share: only what a snapshot restores
             pinned = self.prefix.cached_pages_among(seq.keys[:shared]) if self.prefix and self.allocator else 0
-            first = seq.prompt_len + min(self.lookahead, seq.max_tokens - 1)  # its first round (none: done at prefill)
+            first = seq.prompt_len + self.ahead(seq, seq.prompt_len)  # its prompt and first round
             if not self._fits(first, held=shared - pinned):
                 break
             self.waiting.pop(0)
