@@ -14,9 +14,9 @@ by `--scale` (a tiny model on the CPU runs the same workload shape in seconds).
 Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process, with random
 weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
 slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
-Both modes prefill in chunks of a page, `--chunks-per-step` chunks between two decode calls,
-`--max-prefills` prompts at once (a call runs one decode step while a prompt prefills, else up
-to `--decode-steps`), so on and off differ by the cache only (`--whole-prompts`:
+Both modes prefill in chunks of a page, `--chunks-per-step` chunks per decode step,
+`--max-prefills` prompts at once (a call runs up to `--decode-steps` decode steps, one per
+`--chunks-per-step` pieces where its round prefilled), so on and off differ by the cache only (`--whole-prompts`:
 runs without the prefix cache prefill each prompt in one pass, padded to a power of two).
 `Engine.warm_up` runs first, so no timed step compiles (the record counts any that do).
 SIGTERM stops the run in progress and writes what finished, marked incomplete. Recorded per
@@ -237,9 +237,9 @@ def main(argv=None) -> None:
                    help="KV page and prefill chunk (1024: 2.2-2.5x the tokens/s of 256 at the 8B shape, docs/paged.md)")
     p.add_argument("--whole-prompts", action="store_true",
                    help="runs without the prefix cache prefill each prompt in one pass instead of page chunks")
-    p.add_argument("--chunks-per-step", type=int, default=2, help="prefill chunks between two decode steps")
+    p.add_argument("--chunks-per-step", type=int, default=2, help="prefill chunks per decode step")
     p.add_argument("--max-prefills", type=int, default=1, help="prompts prefilling at once (admission waits)")
-    p.add_argument("--decode-steps", type=int, default=8, help="most decode steps a call (one while a prompt prefills)")
+    p.add_argument("--decode-steps", type=int, default=8, help="most decode steps a call")
     p.add_argument("--chunk-attention", default=None,
                    help="attention implementation of the prefill chunks (default: cudnn for oscar on a GPU, "
                         "else the cache's, as decode)")

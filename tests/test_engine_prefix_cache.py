@@ -113,7 +113,7 @@ def test_a_slot_a_sequence_left_never_writes_into_the_cached_pages_of_the_next()
     cached, long, short = Request(ids(64), 3), Request(ids(20), 40), Request(ids(18), 3)
     hit = Request(cached.prompt[:60] + ids(8), 5)  # restores pages 28-60 and their snapshot, then 2 chunks
     make = lambda: Engine(model, policy, slots=2, max_len=MAX_LEN, page_tokens=PAGE, num_pages=12,
-                          prefill_chunk=CHUNK, max_prefills=1, prefix_cache=True)
+                          prefill_chunk=CHUNK, max_prefills=1, prefix_cache=True, decode_steps=1)
     engine, seen, slot_of = make(), {}, {}
     rids = [engine.submit(r) for r in (cached, long, short, hit)]
     while not engine.done():

@@ -36,12 +36,14 @@ every running sequence; `run` steps until every request is done.
   segments do not depend on whether a boundary was a hit, so a request's tokens do not either.
   `save_prefix_cache` / `load_prefix_cache` keep it on disk (orbax).
 - Decode rounds: one call of the decode program runs up to `decode_steps` steps, each feeding
-  the tokens it sampled to the next (one step while a prompt holding a slot is still
-  prefilling, so prefill keeps its share of the device, and where a prefill just ended, so
-  its first token is not held back a round; fewer where a sequence reaches max_tokens). A
-  call's fixed host cost (dispatching a program over every weight and cache array) is spread
-  over its steps. A sequence that meets a stop id inside a round decodes to the round's end
-  into its own pages (the scheduler holds the pages of a whole round); those tokens are dropped.
+  the tokens it sampled to the next; before them, a round runs up to `chunks_per_step` prompt
+  chunks per step. A round that prefilled runs one step per `chunks_per_step` pieces it ran
+  (a prompt's first prefill and each chunk one piece; rounded up), so prefill keeps its share
+  of the device and a prompt's first token is held back no longer than its own chunks took;
+  fewer where a sequence reaches max_tokens. A call's fixed host cost (dispatching a program
+  over every weight and cache array) is spread over its steps. A sequence that meets a stop id
+  inside a round decodes to the round's end into its own pages (the scheduler holds the pages
+  of a whole round); those tokens are dropped.
 - Compiled shapes: the decode program (one batch, any step count), one prefill of C tokens
   (unchunked: one per bucket, with an insert each), the extend chunks, the swap copies;
   `warm_up` compiles them all before the first request, and `compiles` counts the
@@ -176,6 +178,7 @@ class Engine:
         # (with the tokens those generated): the decode phase's throughput apart from prefill.
         self.prefill_seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
+        self._pieces_run = 0  # prefill pieces (first prefills, chunks) of the round under way
 
     def warm_up(self) -> int:
         """Compile every program serving runs (the decode program, the prefill (unchunked: per
@@ -341,19 +344,21 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> None:
-        """One round: the scheduler's events (swaps, admissions with their prefill, new pages),
-        then decode steps of every running sequence in one call: one while a prompt holding a
-        slot is still prefilling or where a prefill just ended, else up to `decode_steps`
-        (fewer where a sequence reaches max_tokens)."""
+        """One round: the scheduler's events (swaps, admissions with their first prefill, new
+        pages), prompt chunks, then decode steps of every running sequence in one call (module
+        docstring: up to `decode_steps`, one per `chunks_per_step` prefill pieces where the
+        round prefilled, fewer where a sequence reaches max_tokens)."""
         start = time.perf_counter()
+        self._pieces_run = 0
         room = None if self.max_prefills is None else max(0, self.max_prefills - len(self._prefilling))
         for event in self.scheduler.schedule(admit=room):
             self._apply(event)
-        self._prefill_chunks()
+        most = min((self.scheduler.ahead(s) for s in self._running()), default=self.decode_steps)
+        self._prefill_chunks(self.chunks_per_step * most)
         jax.block_until_ready([fill.part for fill in self._prefilling.values()])
         decode_start = time.perf_counter()
         self.prefill_seconds += decode_start - start
-        running = [s for s in self.scheduler.running if s.rid in self._next_token]
+        running = self._running()  # with the sequences whose prefill ended this round
         if running:
             b = self.slots
             tokens, temperature, top_p = np.zeros(b, np.int32), np.zeros(b, np.float32), np.ones(b, np.float32)
@@ -363,12 +368,8 @@ class Engine:
                 tokens[seq.slot], live[seq.slot] = self._next_token[seq.rid], True
                 temperature[seq.slot], top_p[seq.slot], seeds[seq.slot] = req.temperature, req.top_p, req.seed
                 counts[seq.slot] = len(self.results[seq.rid].tokens)
-            # One step while a prompt holding a slot prefills (its chunks keep their share of the
-            # device) or where a sequence holds only the first token its prefill gave (so that
-            # token reaches the caller now).
-            prefilling = any(self._seqs[rid].slot is not None for rid in self._prefilling)
-            fresh = any(len(self.results[seq.rid].tokens) == 1 for seq in running)
-            steps = 1 if prefilling or fresh else min(self.scheduler.ahead(seq) for seq in running)
+            steps = -(-self._pieces_run // self.chunks_per_step) if self._pieces_run else self.decode_steps
+            steps = min(steps, *(self.scheduler.ahead(seq) for seq in running))
             out, self.state = programs.decode(self.model, self.state, jnp.asarray(self.tables), jnp.asarray(tokens),
                                               jnp.asarray(live), jnp.asarray(temperature), jnp.asarray(top_p),
                                               jnp.asarray(seeds), jnp.asarray(counts), jnp.int32(steps),
@@ -384,6 +385,10 @@ class Engine:
                     if seq.rid not in self._next_token:
                         break
         self.pages_used.append(self.scheduler.pages_in_use())
+
+    def _running(self) -> list[Sequence]:
+        """The running sequences holding a token to decode (not those still prefilling)."""
+        return [s for s in self.scheduler.running if s.rid in self._next_token]
 
     def _set_table(self, slot: int, pages: list[int]) -> None:
         self.tables[slot] = paged.NO_PAGE
@@ -434,6 +439,7 @@ class Engine:
         short = self.chunk is not None and len(head) <= self.chunk  # chunked: one width for every head
         tokens = np.zeros((1, self.chunk if short else self._bucket(len(head))), np.int32)
         tokens[0, :len(head)] = head
+        self._pieces_run += 1
         return generate.prefill(self.model, part, tokens, np.array([len(head)], np.int32))
 
     def _pieces(self, n: int) -> list[int]:
@@ -513,9 +519,8 @@ class Engine:
                 pc.take_rows(fill.part, jnp.int32(fill.done - self.page_tokens), self.page_tokens))
             fill.taken[k] = (jax.device_get(pc.take_snapshot(fill.part)), rows)
 
-    def _prefill_chunks(self) -> None:
-        """Up to `chunks_per_step` prompt chunks of the prefilling sequences that hold a slot."""
-        budget = self.chunks_per_step
+    def _prefill_chunks(self, budget: int) -> None:
+        """Up to `budget` prompt chunks of the prefilling sequences that hold a slot."""
         for rid in list(self._prefilling):
             seq, fill, prompt = self._seqs[rid], self._prefilling[rid], self.requests[rid].prompt
             while budget and seq.slot is not None and fill.pieces:
@@ -524,6 +529,7 @@ class Engine:
                                                     np.asarray([prompt[fill.done:fill.done + c]], np.int32))
                 fill.done, fill.logits = fill.done + c, logits[:, -1]
                 budget -= 1
+                self._pieces_run += 1
                 self._snapshot_if_due(fill)
             if not fill.pieces and seq.slot is not None:
                 del self._prefilling[rid]
