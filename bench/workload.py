@@ -13,7 +13,8 @@ by `--scale` (a tiny model on the CPU runs the same workload shape in seconds).
 
 Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process, with random
 weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
-slots of the full context as fit; OSCAR: pages of the budget and `--oscar-slots` slots).
+slots of the full context as fit; OSCAR: `--oscar-slots` slots, whose bf16 sink and ring come
+out of the budget, and pages of the rest).
 Both modes prefill in chunks of a page, `--chunks-per-step` chunks per decode step,
 `--max-prefills` prompts at once (a call runs up to `--decode-steps` decode steps, one per
 `--chunks-per-step` pieces where its round prefilled), so on and off differ by the cache only (`--whole-prompts`:
@@ -21,7 +22,8 @@ runs without the prefix cache prefill each prompt in one pass, padded to a power
 `Engine.warm_up` runs first, so no timed step compiles (the record counts any that do).
 SIGTERM stops the run in progress and writes what finished, marked incomplete. Recorded per
 run: requests/s and output tokens/s end to end (first arrival to last finish), decode-phase
-output tokens/s (tokens of the decode steps over their wall time, prefill excluded), TTFT
+output tokens/s (tokens of the decode steps over their wall time, prefill excluded) and the
+rows an average decode step carried (those tokens over the steps run), TTFT
 and TPOT p50/p99 (TTFT from the arrival), prefill tokens computed and restored from the
 prefix cache, the share of the shared-prefix tokens the cache restored, preemptions, pages
 in use over time, and the warm-up's compilations and seconds. JSON and a PNG of pages in use
@@ -80,16 +82,26 @@ def workload(args, rng: np.random.Generator, vocab: int) -> tuple[list[tuple[flo
     return out, sharing
 
 
-def page_bytes(policy, cfg, max_len: int, chunk: int, page: int) -> int:
-    """Bytes of one pool page over every full-attention layer (codes and metadata)."""
-    total = 0
-    for j in range(cfg.count(kv_policy.FULL)):
-        spec = policy.cache_spec(cfg, 1, max_len, chunk, j)
-        spec = dataclasses.replace(spec, max_len=spec.sink + spec.window + page)
-        shapes = jax.eval_shape(lambda spec=spec: paged.PagedCache.init(spec, page, 1))
-        total += sum(math.prod(getattr(shapes, f).shape) * getattr(shapes, f).dtype.itemsize
-                     for f in paged.HIST_FIELDS)
-    return total
+def paged_bytes(policy, cfg, max_len: int, chunk: int, page: int) -> tuple[int, int]:
+    """(bytes of one pool page over every full-attention layer: codes and metadata, bytes of one
+    slot's own state over every layer: the bf16 sink and ring, sliding-window rings, per-slot
+    metadata) of an OSCAR policy's paged engine."""
+    nbytes = lambda x: math.prod(x.shape) * x.dtype.itemsize
+    page_total = slot_total = j = 0
+    for kind in cfg.layer_types:
+        if kind == kv_policy.FULL:
+            spec = policy.cache_spec(cfg, 1, max_len, chunk, j)
+            most = max(1, int(paged.pages_for(spec.max_len, spec, page)))  # a slot's block table, as the engine's
+            spec = dataclasses.replace(spec, max_len=spec.sink + spec.window + most * page)
+            shapes = jax.eval_shape(lambda spec=spec: paged.PagedCache.init(spec, page, 1))
+            fields = {f.name: nbytes(getattr(shapes, f.name)) for f in dataclasses.fields(shapes)
+                      if isinstance(getattr(shapes, f.name), jax.ShapeDtypeStruct)}
+            page_total += sum(fields[f] for f in paged.HIST_FIELDS)
+            slot_total += sum(v for f, v in fields.items() if f not in paged.HIST_FIELDS)
+            j += 1
+        else:
+            slot_total += sum(map(nbytes, jax.tree.leaves(jax.eval_shape(lambda: kv_policy.ring_layer(cfg, 1, chunk)))))
+    return page_total, slot_total
 
 
 def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: int) -> Engine:
@@ -105,8 +117,9 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: 
     if isinstance(policy, kv_policy.QuantPolicy):
         spec = policy.cache_spec(cfg, 1, max_len, chunk or 1)
         most = 2 * args.requests * max(1, int(paged.pages_for(spec.max_len, spec, page)))
-        pages = max(1, min(most, int(budget // page_bytes(policy, cfg, max_len, chunk, page))))
         slots = min(args.oscar_slots, args.requests)
+        page_b, slot_b = paged_bytes(policy, cfg, max_len, chunk, page)
+        pages = max(1, min(most, int((budget - slots * slot_b) // page_b)))
     else:
         token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(policy.dtype).itemsize
         slots, pages = max(1, min(args.requests, int(budget // (token_bytes * max_len)))), None
@@ -120,7 +133,7 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: 
 def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, shared: int) -> dict:
     """The timed run of `requests` (arrival seconds, request) -> its row."""
     base = {k: getattr(engine, k) for k in ("prompt_tokens", "prefix_hit_tokens", "prefill_seconds",
-                                            "decode_seconds", "decode_tokens", "preemptions")}
+                                            "decode_seconds", "decode_tokens", "decode_step_count", "preemptions")}
     first_rid = len(engine.requests)
     arrival, first, finish, pages = {}, {}, {}, []
     pending = list(requests)
@@ -156,6 +169,8 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
             "output_tokens_per_s": sum(out_tokens.values()) / span,
             "decode_output_tokens_per_s": d["decode_tokens"] / d["decode_seconds"] if d["decode_seconds"] else None,
             "prefill_seconds": d["prefill_seconds"], "decode_seconds": d["decode_seconds"],
+            "decode_steps_run": d["decode_step_count"],
+            "rows_per_decode_step": d["decode_tokens"] / d["decode_step_count"] if d["decode_step_count"] else None,
             "ttft_p50_s": pct(ttft, 50) if ttft else None, "ttft_p99_s": pct(ttft, 99) if ttft else None,
             "tpot_p50_s": pct(tpot, 50) if tpot else None, "tpot_p99_s": pct(tpot, 99) if tpot else None,
             "prompt_tokens": d["prompt_tokens"], "prefix_hit_tokens": d["prefix_hit_tokens"],

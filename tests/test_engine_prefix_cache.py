@@ -225,10 +225,7 @@ def test_scheduler_conserves_shared_and_cached_pages(requests, num_pages, slots,
     assert all(s.max_tokens == -1 for s in accepted)
 
 
-def test_workload_bench_runs_at_tiny_scale(tmp_path):
-    """bench/workload.py on the tiny model: every request finishes, nothing compiles after the
-    warm-up, the prefix cache restores part of the shared prefix, pages in use are recorded;
-    with --warm-up-only it writes nothing."""
+def _workload_module():
     import importlib.util
     import pathlib
     import sys
@@ -237,6 +234,27 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_workload", path)
     workload = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(workload)
+    return workload
+
+
+@pytest.mark.parametrize("model_name", ["llama", "local-global"])
+def test_workload_budget_counts_every_byte_of_the_engines_cache(model_name):
+    """bench/workload.py's page and slot bytes: an engine of 3 slots and 5 pages holds exactly
+    5 pages' and 3 slots' bytes of cache (its rotations apart), with sliding-window rings."""
+    workload = _workload_module()
+    model, policy = MODELS[model_name](), POLICIES["oscar"]
+    page_b, slot_b = workload.paged_bytes(policy, model.cfg, MAX_LEN, CHUNK, PAGE)
+    engine = Engine(model, policy, slots=3, max_len=MAX_LEN, page_tokens=PAGE, num_pages=5, prefill_chunk=CHUNK)
+    caches = [getattr(layer, "cache", layer) for layer in engine.state.layers]
+    held = sum(x.nbytes for x in jax.tree.leaves(caches))
+    assert page_b > 0 and slot_b > 0 and held == 5 * page_b + 3 * slot_b, (held, page_b, slot_b)
+
+
+def test_workload_bench_runs_at_tiny_scale(tmp_path):
+    """bench/workload.py on the tiny model: every request finishes, nothing compiles after the
+    warm-up, the prefix cache restores part of the shared prefix, pages in use are recorded;
+    with --warm-up-only it writes nothing."""
+    workload = _workload_module()
     out = tmp_path / "w.json"
     workload.main(["--model", "tiny", "--scale", "0.004", "--requests", "6", "--rate", "4", "--kv", "oscar",
                    "--prefix-cache", "on", "--kv-gib", "0.0002", "--dtype", "float32", "--prompt-tokens",
@@ -245,6 +263,7 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     assert row["requests"] == 6 and row["compiles_timed"] == 0 and row["shared_requests"] >= 2
     assert 0 < row["prefix_hit_tokens"] <= row["shared_prefix_tokens"] and row["pages_in_use"]
     assert row["output_tokens"] >= 6 * 2 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
+    assert 1 <= row["rows_per_decode_step"] <= row["slots"]
     assert out.with_suffix(".png").stat().st_size > 0
     only = tmp_path / "warm.json"
     workload.main(["--model", "tiny", "--scale", "0.004", "--requests", "6", "--kv", "oscar", "--kv-gib", "0.0002",

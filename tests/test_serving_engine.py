@@ -356,6 +356,7 @@ def test_a_round_that_prefills_decodes_one_step_per_chunks_per_step_pieces():
         if i == 2:
             assert len(engine.results[second].tokens) == 4
     assert counts == [2, 10, 13, 19, 27, 30]
+    assert engine.decode_step_count == 1 + 8 + 3 + 6 + 8 + 3
 
 
 def test_a_prompt_filling_its_slot_with_one_token_to_generate_serves():

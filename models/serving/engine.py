@@ -178,6 +178,7 @@ class Engine:
         # (with the tokens those generated): the decode phase's throughput apart from prefill.
         self.prefill_seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
+        self.decode_step_count = 0  # decode steps run (a round of k steps counts k)
         self._pieces_run = 0  # prefill pieces (first prefills, chunks) of the round under way
 
     def warm_up(self) -> int:
@@ -376,6 +377,7 @@ class Engine:
                                               most=self.decode_steps)
             out = np.asarray(out)
             self.decode_seconds += time.perf_counter() - decode_start
+            self.decode_step_count += steps
             for seq in running:
                 slot = seq.slot
                 for i in range(steps):  # tokens past a stop are dropped (their appends went to its own pages)
