@@ -9,8 +9,8 @@ contiguous state just long enough: what the step could take).
 A cell KV:SLOTS:LIVE fills every slot with `--context` random tokens (as if idle slots held
 the sequences that finished there; the engine empties them before each step) and times, per
 variant, greedy unless named:
-  1 step a call    the engine's round while a prompt prefills: one decode step a call
-  K steps a call   its decode-only round: `--decode-steps` K steps a call (per token)
+  1 step a call    one decode step a call (`--decode-steps 1`, or a round of one prefill piece)
+  K steps a call   a round of `--decode-steps` K steps a call (per token)
   top_p            K steps a call, every running row sampling at temperature 1, top_p 0.9
   static           `bench.time_decode` over LIVE rows of a contiguous state just long enough,
                    no engine (per token of 8-step segments)

@@ -17,17 +17,19 @@ slots of the full context as fit; OSCAR: `--oscar-slots` slots, whose bf16 sink 
 out of the budget, and pages of the rest).
 Both modes prefill in chunks of a page, `--chunks-per-step` chunks per decode step,
 `--max-prefills` prompts at once (a call runs up to `--decode-steps` decode steps, one per
-`--chunks-per-step` pieces where its round prefilled), so on and off differ by the cache only (`--whole-prompts`:
-runs without the prefix cache prefill each prompt in one pass, padded to a power of two).
+`--chunks-per-step` pieces where its round prefilled), so on and off differ by the cache only
+(`--whole-prompts`: runs without the prefix cache prefill each prompt in one pass, padded to
+a power of two).
 `Engine.warm_up` runs first, so no timed step compiles (the record counts any that do).
 SIGTERM stops the run in progress and writes what finished, marked incomplete. Recorded per
 run: requests/s and output tokens/s end to end (first arrival to last finish), decode-phase
 output tokens/s (tokens of the decode steps over their wall time, prefill excluded) and the
-rows an average decode step carried (those tokens over the steps run), TTFT
-and TPOT p50/p99 (TTFT from the arrival), prefill tokens computed and restored from the
-prefix cache, the share of the shared-prefix tokens the cache restored, preemptions, pages
-in use over time, and the warm-up's compilations and seconds. JSON and a PNG of pages in use
-beside it.
+tokens an average decode step kept (its rows decoding, less any past a stop id), TTFT and
+TPOT p50/p99 (TTFT from the arrival), the seconds between two deliveries of a request's
+tokens p50/p99 (a round's tokens arrive together, after its prefill chunks), prefill tokens
+computed and restored from the prefix cache, the share of the shared-prefix tokens the cache
+restored, preemptions, pages in use over time, and the warm-up's compilations and seconds.
+JSON and a PNG of pages in use beside it.
 """
 
 from __future__ import annotations
@@ -118,8 +120,11 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: 
         spec = policy.cache_spec(cfg, 1, max_len, chunk or 1)
         most = 2 * args.requests * max(1, int(paged.pages_for(spec.max_len, spec, page)))
         slots = min(args.oscar_slots, args.requests)
-        page_b, slot_b = paged_bytes(policy, cfg, max_len, chunk, page)
-        pages = max(1, min(most, int((budget - slots * slot_b) // page_b)))
+        page_b, slot_b = paged_bytes(policy, cfg, max_len, chunk or 1, page)
+        if budget < slots * slot_b + page_b:
+            raise SystemExit(f"--kv-gib {args.kv_gib}: {slots} slots' own state ({slots * slot_b / 2**30:.3g} GiB) "
+                             f"and one page leave no room; expected more or fewer --oscar-slots")
+        pages = min(most, int((budget - slots * slot_b) // page_b))
     else:
         token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(policy.dtype).itemsize
         slots, pages = max(1, min(args.requests, int(budget // (token_bytes * max_len)))), None
@@ -136,6 +141,7 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
                                             "decode_seconds", "decode_tokens", "decode_step_count", "preemptions")}
     first_rid = len(engine.requests)
     arrival, first, finish, pages = {}, {}, {}, []
+    delivered, gaps = {}, []  # rid -> (tokens, seconds) at its last delivery; seconds between deliveries
     pending = list(requests)
     start = time.perf_counter()
     while (pending or not engine.done()) and not STOP.is_set():
@@ -153,6 +159,10 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
             result = engine.results[rid]
             if result.tokens and rid not in first:
                 first[rid] = now
+            if len(result.tokens) > delivered.get(rid, (0, 0.0))[0]:
+                if rid in delivered:
+                    gaps.append(now - delivered[rid][1])
+                delivered[rid] = (len(result.tokens), now)
             if result.finish is not None and rid not in finish:
                 finish[rid] = now
     rids = [r for r in range(first_rid, len(engine.requests)) if r in finish]  # all of them unless stopped
@@ -170,9 +180,11 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
             "decode_output_tokens_per_s": d["decode_tokens"] / d["decode_seconds"] if d["decode_seconds"] else None,
             "prefill_seconds": d["prefill_seconds"], "decode_seconds": d["decode_seconds"],
             "decode_steps_run": d["decode_step_count"],
-            "rows_per_decode_step": d["decode_tokens"] / d["decode_step_count"] if d["decode_step_count"] else None,
+            "tokens_per_decode_step": d["decode_tokens"] / d["decode_step_count"] if d["decode_step_count"] else None,
             "ttft_p50_s": pct(ttft, 50) if ttft else None, "ttft_p99_s": pct(ttft, 99) if ttft else None,
             "tpot_p50_s": pct(tpot, 50) if tpot else None, "tpot_p99_s": pct(tpot, 99) if tpot else None,
+            "delivery_gap_p50_s": pct(gaps, 50) if gaps else None,
+            "delivery_gap_p99_s": pct(gaps, 99) if gaps else None,
             "prompt_tokens": d["prompt_tokens"], "prefix_hit_tokens": d["prefix_hit_tokens"],
             "prefill_tokens_computed": d["prompt_tokens"] - d["prefix_hit_tokens"],
             "shared_prefix_tokens": shared * shared_len,

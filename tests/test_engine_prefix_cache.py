@@ -237,14 +237,15 @@ def _workload_module():
     return workload
 
 
-@pytest.mark.parametrize("model_name", ["llama", "local-global"])
-def test_workload_budget_counts_every_byte_of_the_engines_cache(model_name):
+@pytest.mark.parametrize("model_name,chunk", [("llama", CHUNK), ("local-global", CHUNK), ("local-global", None)])
+def test_workload_budget_counts_every_byte_of_the_engines_cache(model_name, chunk):
     """bench/workload.py's page and slot bytes: an engine of 3 slots and 5 pages holds exactly
-    5 pages' and 3 slots' bytes of cache (its rotations apart), with sliding-window rings."""
+    5 pages' and 3 slots' bytes of cache (its rotations apart), with sliding-window rings,
+    chunked or not."""
     workload = _workload_module()
     model, policy = MODELS[model_name](), POLICIES["oscar"]
-    page_b, slot_b = workload.paged_bytes(policy, model.cfg, MAX_LEN, CHUNK, PAGE)
-    engine = Engine(model, policy, slots=3, max_len=MAX_LEN, page_tokens=PAGE, num_pages=5, prefill_chunk=CHUNK)
+    page_b, slot_b = workload.paged_bytes(policy, model.cfg, MAX_LEN, chunk or 1, PAGE)
+    engine = Engine(model, policy, slots=3, max_len=MAX_LEN, page_tokens=PAGE, num_pages=5, prefill_chunk=chunk)
     caches = [getattr(layer, "cache", layer) for layer in engine.state.layers]
     held = sum(x.nbytes for x in jax.tree.leaves(caches))
     assert page_b > 0 and slot_b > 0 and held == 5 * page_b + 3 * slot_b, (held, page_b, slot_b)
@@ -263,7 +264,8 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     assert row["requests"] == 6 and row["compiles_timed"] == 0 and row["shared_requests"] >= 2
     assert 0 < row["prefix_hit_tokens"] <= row["shared_prefix_tokens"] and row["pages_in_use"]
     assert row["output_tokens"] >= 6 * 2 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
-    assert 1 <= row["rows_per_decode_step"] <= row["slots"]
+    assert 1 <= row["tokens_per_decode_step"] <= row["slots"]
+    assert 0 < row["delivery_gap_p50_s"] <= row["delivery_gap_p99_s"]
     assert out.with_suffix(".png").stat().st_size > 0
     only = tmp_path / "warm.json"
     workload.main(["--model", "tiny", "--scale", "0.004", "--requests", "6", "--kv", "oscar", "--kv-gib", "0.0002",

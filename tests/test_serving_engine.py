@@ -61,22 +61,23 @@ def _requests() -> list[Request]:
     return reqs
 
 
-def _engine(model, policy, chunk: int | None, decode_steps: int = 8) -> Engine:
-    return Engine(model, policy, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, num_pages=NUM_PAGES,
+def _engine(model, policy, chunk: int | None, decode_steps: int = 8, num_pages: int = NUM_PAGES) -> Engine:
+    return Engine(model, policy, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, num_pages=num_pages,
                   prefill_chunk=chunk, decode_steps=decode_steps)
 
 
-@pytest.mark.parametrize("model_name,policy_name,chunk,decode_steps", [
-    ("llama", "oscar", None, 2), ("local-global", "oscar", 4, 3), ("local-global", "oscar", 16, 3),
-    ("llama", "fp8", None, 8)])
-def test_engine_output_equals_request_alone(model_name, policy_name, chunk, decode_steps):
+@pytest.mark.parametrize("model_name,policy_name,chunk,decode_steps,num_pages", [
+    ("llama", "oscar", None, 2, 6), ("local-global", "oscar", 4, 3, 5), ("local-global", "oscar", 16, 8, 5),
+    ("llama", "fp8", None, 8, 6)])
+def test_engine_output_equals_request_alone(model_name, policy_name, chunk, decode_steps, num_pages):
     """chunk: prompts enter in a first prefill of 1..C tokens, then chunks of C between decode steps
     (C = 16: chunks twice the oscar policy's window of 8); decode_steps: the most steps a decode
-    call runs (rounds of several steps, with sequences stopping inside them)."""
+    call runs (rounds of several steps, with sequences stopping inside them); num_pages: a pool
+    smaller than the three slots' need (OSCAR sequences are swapped out)."""
     model, policy = MODELS[model_name](), POLICIES[policy_name]
     reqs = _requests()
     jax.clear_caches()  # the engine's programs compile here, whichever test ran before in this process
-    engine = _engine(model, policy, chunk, decode_steps)
+    engine = _engine(model, policy, chunk, decode_steps, num_pages)
     ids = [engine.submit(r) for r in reqs[:3]]
     with pytest.raises(ValueError, match="can never fit: a prompt of 70 tokens plus max_tokens=10 needs 79"):
         engine.submit(Request((1,) * 70, 10))
@@ -88,17 +89,17 @@ def test_engine_output_equals_request_alone(model_name, policy_name, chunk, deco
         if isinstance(layer, kv_policy.PagedLayer):
             assert not np.asarray(layer.cache.overflow).any()
     if engine.paged:
-        assert engine.preemptions >= 1  # the pool (6 pages) is smaller than the three slots' need
-        assert max(engine.pages_used) <= NUM_PAGES and engine.pages_used[-1] == 0
-        assert engine.scheduler.allocator.num_free == NUM_PAGES
+        assert engine.preemptions >= 1
+        assert max(engine.pages_used) <= num_pages and engine.pages_used[-1] == 0
+        assert engine.scheduler.allocator.num_free == num_pages
     warm = engine.compiles
     for i, req in zip(ids, reqs):
-        alone = _engine(model, policy, chunk, decode_steps)
+        alone = _engine(model, policy, chunk, decode_steps, num_pages)
         alone.submit(req)
         assert alone.run()[0] == together[i], f"request {i}"
         assert alone.compiles == 0, "a request alone compiled a new program after the warm-up"
     assert warm > 0
-    one_step = _engine(model, policy, chunk, decode_steps=1)  # a sampled request's tokens, round by round
+    one_step = _engine(model, policy, chunk, 1, num_pages)  # a sampled request's tokens, round by round
     one_step.submit(reqs[3])
     assert one_step.run()[0] == together[ids[3]]
     for i, req in zip(ids, reqs):
@@ -325,10 +326,10 @@ def test_engine_refuses_bad_arguments_naming_them(kwargs, match):
         Engine(model, policy, **{"slots": SLOTS, "max_len": MAX_LEN, "page_tokens": PAGE, **kwargs})
 
 
-def test_a_round_where_a_prefill_ends_is_one_step_and_later_rounds_are_whole():
-    """decode_steps = 8: the round that prefills a request decodes one step, so its first token
-    is out after that round with one more; the next round decodes 8; the last stops at
-    max_tokens (20 = 2 + 8 + 8 + 2)."""
+def test_a_whole_prompt_is_one_prefill_piece_and_later_rounds_are_whole():
+    """decode_steps = 8, unchunked: the round that prefills a request (one piece) decodes one
+    step, so its first token is out after that round with one more; the next round decodes 8;
+    the last stops at max_tokens (20 = 2 + 8 + 8 + 2)."""
     engine = _engine(MODELS["llama"](), POLICIES["oscar"], None)
     rid = engine.submit(Request((5, 17, 3, 60, 8), 20))
     counts = []
@@ -357,6 +358,36 @@ def test_a_round_that_prefills_decodes_one_step_per_chunks_per_step_pieces():
             assert len(engine.results[second].tokens) == 4
     assert counts == [2, 10, 13, 19, 27, 30]
     assert engine.decode_step_count == 1 + 8 + 3 + 6 + 8 + 3
+
+
+def test_a_round_prefills_for_the_steps_it_may_run_and_stops_where_a_prompt_enters():
+    """Chunks of 4, one a step, rounds of up to 8. A (max_tokens 5) decodes beside B's prefill:
+    the round may run only A's 3 last steps, so B gets its first prefill and 3 chunks (of 6),
+    and A decodes 3; the next round ends B's prefill (3 chunks, 3 steps). E (max_tokens 2)
+    prefilling beside F bounds its rounds to one step, so it gets one chunk a round, F two
+    steps. Then C (1 chunk after its first prefill) and D (6) are admitted together: C enters
+    after its chunk and D gets no chunk past that one, so the round decodes 3 steps (2 first
+    prefills, 1 chunk)."""
+    engine = Engine(MODELS["llama"](), POLICIES["oscar"], slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE,
+                    num_pages=NUM_PAGES, prefill_chunk=4, chunks_per_step=1, decode_steps=8)
+    a = engine.submit(Request((5, 17, 3), 5))
+    engine.step()
+    b = engine.submit(Request(tuple(range(1, 26)), 10))  # a first prefill of 1 token, 6 chunks
+    engine.step()
+    assert len(engine.results[a].tokens) == 5 and not engine.results[b].tokens
+    assert engine.decode_step_count == 1 + 3
+    engine.step()
+    assert len(engine.results[b].tokens) == 1 + 3 and engine.decode_step_count == 1 + 3 + 3
+    engine.run()
+    f = engine.submit(Request((5, 17, 3), 30))
+    engine.step()
+    e = engine.submit(Request(tuple(range(1, 26)), 2))
+    engine.step()
+    assert len(engine.results[f].tokens) == 2 + 2 and not engine.results[e].tokens
+    engine.run()
+    c, d = engine.submit(Request(tuple(range(1, 6)), 10)), engine.submit(Request(tuple(range(1, 26)), 10))
+    engine.step()
+    assert len(engine.results[c].tokens) == 1 + 3 and not engine.results[d].tokens
 
 
 def test_a_prompt_filling_its_slot_with_one_token_to_generate_serves():

@@ -28,7 +28,7 @@ def serve(
     prefill_chunk: int | None = typer.Option(None, min=1, help="chunked prefill of this many tokens (with a prefix "
                                                                "cache: default --page-tokens)"),
     min_bucket: int = typer.Option(16, min=1, help="shortest prefill length (prompts are padded to powers of two)"),
-    chunks_per_step: int = typer.Option(1, min=1, help="prefill chunks run per decode step"),
+    chunks_per_step: int = typer.Option(1, min=1, help="prefill pieces (a whole prompt or a chunk) per decode step"),
     max_prefills: int | None = typer.Option(None, min=1, help="prompts prefilling at once (default: no limit)"),
     decode_steps: int = typer.Option(8, min=1, help="most decode steps one call runs (tokens stream in rounds of "
                                                     "up to this many)"),

@@ -36,12 +36,15 @@ every running sequence; `run` steps until every request is done.
   segments do not depend on whether a boundary was a hit, so a request's tokens do not either.
   `save_prefix_cache` / `load_prefix_cache` keep it on disk (orbax).
 - Decode rounds: one call of the decode program runs up to `decode_steps` steps, each feeding
-  the tokens it sampled to the next; before them, a round runs up to `chunks_per_step` prompt
-  chunks per step. A round that prefilled runs one step per `chunks_per_step` pieces it ran
-  (a prompt's first prefill and each chunk one piece; rounded up), so prefill keeps its share
-  of the device and a prompt's first token is held back no longer than its own chunks took;
-  fewer where a sequence reaches max_tokens. A call's fixed host cost (dispatching a program
-  over every weight and cache array) is spread over its steps. A sequence that meets a stop id
+  the tokens it sampled to the next (fewer where a sequence holding a slot reaches
+  max_tokens). Before them a round prefills: the admissions' first prefills, then prompt
+  chunks, first come first served, `chunks_per_step` for each step the round may run (past
+  the first `chunks_per_step`, none once a prefill ended in the round). A round that
+  prefilled decodes one step per `chunks_per_step` pieces it ran (a first prefill or a chunk
+  is one piece; rounded up), so prefill and decode keep the shares one step a call gives
+  them, and a prompt's first token waits on at most `chunks_per_step` chunks of other prompts.
+  A client gets a round's tokens at once, after its chunks. A call's fixed host cost
+  (dispatching a program over every weight and cache array) is spread over its steps. A sequence that meets a stop id
   inside a round decodes to the round's end into its own pages (the scheduler holds the pages
   of a whole round); those tokens are dropped.
 - Compiled shapes: the decode program (one batch, any step count), one prefill of C tokens
@@ -103,7 +106,8 @@ class Engine:
     policy: a `kv_policy.QuantPolicy` (paged full-attention layers) or `DensePolicy`; slots: the
     compiled decode batch; max_len: tokens a slot holds at most (rounded up to whole pages);
     page_tokens, num_pages: the pool (OSCAR policies); min_bucket: the shortest prefill length;
-    prefill_chunk, chunks_per_step, max_prefills: chunked prefill (module docstring);
+    prefill_chunk, max_prefills: chunked prefill; chunks_per_step: prefill pieces per decode
+    step (module docstring);
     prefix_cache: keep prompt prefixes (needs prefill_chunk dividing page_tokens; dense policies
     cut them every page_tokens too); prefix_cache_bytes: host memory its snapshots and dense
     rows may take before unreferenced entries are evicted; chunk_attention: the attention
@@ -126,7 +130,7 @@ class Engine:
         self.model, self.policy, self.slots, self.decode_steps = model, policy, slots, decode_steps
         self.chunk_attention = chunk_attention or programs.default_chunk_attention(policy, cfg)
         self._part_policy = kv_policy.with_implementation(policy, self.chunk_attention)
-        if prefill_chunk is not None and (prefill_chunk < 1 or chunks_per_step < 1):
+        if (prefill_chunk is not None and prefill_chunk < 1) or chunks_per_step < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk}, chunks_per_step={chunks_per_step}: expected >= 1")
         if max_prefills is not None and max_prefills < 1:
             raise ValueError(f"max_prefills={max_prefills}: expected >= 1 or None (no limit)")
@@ -179,7 +183,8 @@ class Engine:
         self.prefill_seconds = self.decode_seconds = 0.0
         self.decode_tokens = 0
         self.decode_step_count = 0  # decode steps run (a round of k steps counts k)
-        self._pieces_run = 0  # prefill pieces (first prefills, chunks) of the round under way
+        # The round under way: its prefill pieces (first prefills, chunks), the prefills it ended.
+        self._pieces_run = self._entered = 0
 
     def warm_up(self) -> int:
         """Compile every program serving runs (the decode program, the prefill (unchunked: per
@@ -350,11 +355,14 @@ class Engine:
         docstring: up to `decode_steps`, one per `chunks_per_step` prefill pieces where the
         round prefilled, fewer where a sequence reaches max_tokens)."""
         start = time.perf_counter()
-        self._pieces_run = 0
+        self._pieces_run = self._entered = 0
         room = None if self.max_prefills is None else max(0, self.max_prefills - len(self._prefilling))
         for event in self.scheduler.schedule(admit=room):
             self._apply(event)
-        most = min((self.scheduler.ahead(s) for s in self._running()), default=self.decode_steps)
+        # The round's most steps: every sequence holding a slot may decode in it (a prompt whose
+        # prefill ends in it too; one of max_tokens 1 never does).
+        most = min((max(1, self.scheduler.ahead(s)) for s in self.scheduler.running if s.slot is not None),
+                   default=self.decode_steps)
         self._prefill_chunks(self.chunks_per_step * most)
         jax.block_until_ready([fill.part for fill in self._prefilling.values()])
         decode_start = time.perf_counter()
@@ -522,15 +530,19 @@ class Engine:
             fill.taken[k] = (jax.device_get(pc.take_snapshot(fill.part)), rows)
 
     def _prefill_chunks(self, budget: int) -> None:
-        """Up to `budget` prompt chunks of the prefilling sequences that hold a slot."""
+        """Up to `budget` prompt chunks of the prefilling sequences that hold a slot, first come
+        first served; past the first `chunks_per_step`, none once a prefill ended in this round
+        (its first token waits on no other prompt's chunks)."""
+        run = 0
         for rid in list(self._prefilling):
             seq, fill, prompt = self._seqs[rid], self._prefilling[rid], self.requests[rid].prompt
-            while budget and seq.slot is not None and fill.pieces:
+            while run < budget and seq.slot is not None and fill.pieces and (
+                    run < self.chunks_per_step or not self._entered):
                 c = fill.pieces.pop(0)
                 logits, fill.part = generate.extend(self.model, fill.part,
                                                     np.asarray([prompt[fill.done:fill.done + c]], np.int32))
                 fill.done, fill.logits = fill.done + c, logits[:, -1]
-                budget -= 1
+                run += 1
                 self._pieces_run += 1
                 self._snapshot_if_due(fill)
             if not fill.pieces and seq.slot is not None:
@@ -540,6 +552,7 @@ class Engine:
     def _enter(self, seq: Sequence, fill: _Fill) -> None:
         """Insert seq's prefilled one-row state into its slot (its shared pages left as they are),
         its boundaries into the prefix cache; its first token from the last logits [1, V]."""
+        self._entered += 1
         req = self.requests[seq.rid]
         self.state = programs.insert(self.state, fill.part, jnp.int32(seq.slot), jnp.asarray(self.tables),
                                      jnp.int32(seq.shared))
