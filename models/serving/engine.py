@@ -44,9 +44,9 @@ every running sequence; `run` steps until every request is done.
   is one piece; rounded up), so prefill and decode keep the shares one step a call gives
   them, and a prompt's first token waits on at most `chunks_per_step` chunks of other prompts.
   A client gets a round's tokens at once, after its chunks. A call's fixed host cost
-  (dispatching a program over every weight and cache array) is spread over its steps. A sequence that meets a stop id
-  inside a round decodes to the round's end into its own pages (the scheduler holds the pages
-  of a whole round); those tokens are dropped.
+  (dispatching a program over every weight and cache array) is spread over its steps. A
+  sequence that meets a stop id inside a round decodes to the round's end into its own pages
+  (the scheduler holds the pages of a whole round); those tokens are dropped.
 - Compiled shapes: the decode program (one batch, any step count), one prefill of C tokens
   (unchunked: one per bucket, with an insert each), the extend chunks, the swap copies;
   `warm_up` compiles them all before the first request, and `compiles` counts the
