@@ -15,7 +15,7 @@ Each (KV scheme, prefix cache on/off) runs through one `Engine` in this process,
 weights: the decode batch and pool follow a `--kv-gib` KV budget (dense caches: as many
 slots of the full context as fit; OSCAR: `--oscar-slots` slots, whose bf16 sink and ring come
 out of the budget, and pages of the rest).
-Both modes prefill in chunks of a page, `--chunks-per-step` chunks per decode step,
+Both modes prefill in chunks of a page, `--chunks-per-step` prefill pieces per decode step,
 `--max-prefills` prompts at once (a call runs up to `--decode-steps` decode steps, one per
 `--chunks-per-step` pieces where its round prefilled), so on and off differ by the cache only
 (`--whole-prompts`: runs without the prefix cache prefill each prompt in one pass, padded to
@@ -123,7 +123,7 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: 
         page_b, slot_b = paged_bytes(policy, cfg, max_len, chunk or 1, page)
         if budget < slots * slot_b + page_b:
             raise SystemExit(f"--kv-gib {args.kv_gib}: {slots} slots' own state ({slots * slot_b / 2**30:.3g} GiB) "
-                             f"and one page leave no room; expected more or fewer --oscar-slots")
+                             f"and one page leave no room; expected more --kv-gib or fewer --oscar-slots")
         pages = min(most, int((budget - slots * slot_b) // page_b))
     else:
         token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(policy.dtype).itemsize
@@ -264,7 +264,8 @@ def main(argv=None) -> None:
                    help="KV page and prefill chunk (1024: 2.2-2.5x the tokens/s of 256 at the 8B shape, docs/paged.md)")
     p.add_argument("--whole-prompts", action="store_true",
                    help="runs without the prefix cache prefill each prompt in one pass instead of page chunks")
-    p.add_argument("--chunks-per-step", type=int, default=2, help="prefill chunks per decode step")
+    p.add_argument("--chunks-per-step", type=int, default=2,
+                   help="prefill pieces (a whole prompt or a chunk) per decode step")
     p.add_argument("--max-prefills", type=int, default=1, help="prompts prefilling at once (admission waits)")
     p.add_argument("--decode-steps", type=int, default=8, help="most decode steps a call")
     p.add_argument("--chunk-attention", default=None,

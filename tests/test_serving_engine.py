@@ -364,10 +364,10 @@ def test_a_round_prefills_for_the_steps_it_may_run_and_stops_where_a_prompt_ente
     """Chunks of 4, one a step, rounds of up to 8. A (max_tokens 5) decodes beside B's prefill:
     the round may run only A's 3 last steps, so B gets its first prefill and 3 chunks (of 6),
     and A decodes 3; the next round ends B's prefill (3 chunks, 3 steps). E (max_tokens 2)
-    prefilling beside F bounds its rounds to one step, so it gets one chunk a round, F two
-    steps. Then C (1 chunk after its first prefill) and D (6) are admitted together: C enters
-    after its chunk and D gets no chunk past that one, so the round decodes 3 steps (2 first
-    prefills, 1 chunk)."""
+    prefilling beside F bounds its rounds to one step, so it gets one chunk a round (F decodes
+    two steps in E's first round: its first prefill and a chunk). Then C (1 chunk after its
+    first prefill) and D (6) are admitted together: C enters after its chunk and D gets no
+    chunk past that one, so the round decodes 3 steps (2 first prefills, 1 chunk)."""
     engine = Engine(MODELS["llama"](), POLICIES["oscar"], slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE,
                     num_pages=NUM_PAGES, prefill_chunk=4, chunks_per_step=1, decode_steps=8)
     a = engine.submit(Request((5, 17, 3), 5))

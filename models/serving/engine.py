@@ -17,8 +17,8 @@ every running sequence; `run` steps until every request is done.
   "cudnn", else in XLA) the prompt's first 1..C tokens are prefilled so and the rest enters
   in chunks of C through `generate.extend` (each chunk attends to its own tokens as written,
   bf16, and to the earlier chunks through the cache: `oscar_jax.attention.append_attend`),
-  `chunks_per_step` chunks a step over the prefilling requests, first come first served,
-  between decode steps; the row is inserted after its last chunk. Chunked, every prompt's
+  first come first served over the prefilling requests, before each round's decode steps
+  (Decode rounds below); the row is inserted after its last chunk. Chunked, every prompt's
   one-row cache holds a slot's capacity and its first 1..C tokens are padded to C (one
   compiled shape each, whatever the prompt's length); `max_prefills` bounds the prompts
   prefilling at once (admission waits), and with it the memory their one-row caches take.
