@@ -70,9 +70,9 @@ def _engine(model, policy, chunk: int | None, decode_steps: int = 8, num_pages: 
     ("llama", "oscar", None, 2, 6), ("local-global", "oscar", 4, 3, 5), ("local-global", "oscar", 16, 8, 5),
     ("llama", "fp8", None, 8, 6)])
 def test_engine_output_equals_request_alone(model_name, policy_name, chunk, decode_steps, num_pages):
-    """chunk: prompts enter in a first prefill of 1..C tokens, then chunks of C between decode steps
-    (C = 16: chunks twice the oscar policy's window of 8); decode_steps: the most steps a decode
-    call runs (rounds of several steps, with sequences stopping inside them); num_pages: a pool
+    """chunk: prompts enter in a first prefill of 1..C tokens, then chunks of C before each
+    round's decode steps (C = 16: chunks twice the oscar policy's window of 8); decode_steps:
+    the most steps a decode call runs (rounds of several steps, with sequences stopping inside them); num_pages: a pool
     smaller than the three slots' need (OSCAR sequences are swapped out)."""
     model, policy = MODELS[model_name](), POLICIES[policy_name]
     reqs = _requests()
