@@ -223,24 +223,28 @@ def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: 
     if window is not None:
         mask &= kp > pos[..., None] - window
     # XLA, in float32: float8 values are exact in it, and their scales go on the scores and
-    # the output. One query (decode) multiplies and reduces in one fused pass over the cache
-    # as it lies (no transposed or converted copy of it); an extend chunk's C queries use
-    # dot products.
+    # the output. One query (decode) over a bf16 or f32 cache multiplies and reduces in one
+    # fused pass over the cache as it lies (no transposed or converted copy of it); an extend
+    # chunk's C queries, and every float8 call, use dot products. A float8 cache's dot products
+    # run at default precision (TF32 on a GPU, which holds e4m3 and bf16 values exactly): at
+    # the 8B shape on an H100 that reads the cache 2.3x faster than the fused pass.
     load = lambda stored: stored.astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
-    if c == 1:
-        s = jnp.moveaxis(jnp.sum(qg * load(layer.k)[:, :, :, None], axis=-1), 1, -1)[:, None]  # [B, 1, Hkv, g, T]
+    dots = c > 1 or layer.k.dtype == FP8
+    precision = jax.lax.Precision.DEFAULT if layer.k.dtype == FP8 else _HI
+    if dots:
+        s = jnp.einsum("bchgd,bthd->bchgt", qg, load(layer.k), precision=precision)
     else:
-        s = jnp.einsum("bchgd,bthd->bchgt", qg, load(layer.k), precision=_HI)
+        s = jnp.moveaxis(jnp.sum(qg * load(layer.k)[:, :, :, None], axis=-1), 1, -1)[:, None]  # [B, 1, Hkv, g, T]
     s = s * softmax_scale
     if k_scale is not None:
         s = s * k_scale[:, None, :, None, None]
     s = jnp.where(mask[:, :, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    if c == 1:
-        o = jnp.sum(jnp.moveaxis(p[:, 0], -1, 1)[..., None] * load(layer.v)[:, :, :, None], axis=1)[:, None]
+    if dots:
+        o = jnp.einsum("bchgt,bthd->bchgd", p, load(layer.v), precision=precision)
     else:
-        o = jnp.einsum("bchgt,bthd->bchgd", p, load(layer.v), precision=_HI)
+        o = jnp.sum(jnp.moveaxis(p[:, 0], -1, 1)[..., None] * load(layer.v)[:, :, :, None], axis=1)[:, None]
     if v_scale is not None:
         o = o * v_scale[:, None, :, None, None]
     return o.reshape(b, c, hq, d).astype(q.dtype), layer

@@ -214,7 +214,7 @@ def test_kivi2_groups_and_residual_match_numpy():
 def test_fp8_stores_e4m3_with_per_head_scales_from_the_prompt():
     """fp8: keys and values stored as float8_e4m3fn = sat(x / scale) with scale = the prompt's
     amax per (row, KV head) / 200 (keys) or / 100 (values), padding ignored; an appended
-    outlier saturates at ±448·scale; attention reads stored·scale."""
+    outlier saturates at ±448·scale; attention (a chunk, then a decode step) reads stored·scale."""
     rng = np.random.default_rng(31)
     t, c = 40, 3
     lengths = np.array([40, 29])
@@ -239,19 +239,24 @@ def test_fp8_stores_e4m3_with_per_head_scales_from_the_prompt():
             np.testing.assert_array_equal(got, want)
     assert np.asarray(layer.k)[0, t + 1, 1, 5].astype(np.float32) == 448.0
 
-    # a second chunk's queries against numpy softmax attention over stored * scale
-    q = np.random.default_rng(5).standard_normal((B, c, HQ, D))
-    o, layer = _append(layer, jnp.asarray(q, jnp.float32), jnp.asarray(k[:, :c] / 2), jnp.asarray(v[:, :c] / 2))
-    kd, vd = (np.asarray(getattr(layer, w)).astype(np.float64).transpose(0, 2, 1, 3)  # [B, H, T, D]
-              * np.asarray(getattr(layer, f"{w}_scale"))[:, :, None, None] for w in "kv")
-    for b, n in enumerate(lengths + c):  # query ci sits at position n + ci
-        for ci in range(c):
-            for hq in range(HQ):
-                h = hq // (HQ // HKV)
-                logits = kd[b, h, : n + ci + 1] @ q[b, ci, hq] * D ** -0.5
-                p = np.exp(logits - logits.max())
-                want = (p / p.sum()) @ vd[b, h, : n + ci + 1]
-                np.testing.assert_allclose(np.asarray(o[b, ci, hq]), want, rtol=1e-5, atol=1e-5)
+    # a second chunk's queries, then one decode query (its own dot-product path), against numpy
+    # softmax attention over stored * scale
+    held = lengths + c
+    for queries, seed in ((c, 5), (1, 6)):
+        q = np.random.default_rng(seed).standard_normal((B, queries, HQ, D))
+        new_k, new_v = (jnp.asarray(x[:, :queries] / 2) for x in (k, v))
+        o, layer = _append(layer, jnp.asarray(q, jnp.float32), new_k, new_v)
+        kd, vd = (np.asarray(getattr(layer, w)).astype(np.float64).transpose(0, 2, 1, 3)  # [B, H, T, D]
+                  * np.asarray(getattr(layer, f"{w}_scale"))[:, :, None, None] for w in "kv")
+        for b, n in enumerate(held):  # query ci sits at position n + ci
+            for ci in range(queries):
+                for hq in range(HQ):
+                    h = hq // (HQ // HKV)
+                    logits = kd[b, h, : n + ci + 1] @ q[b, ci, hq] * D ** -0.5
+                    p = np.exp(logits - logits.max())
+                    want = (p / p.sum()) @ vd[b, h, : n + ci + 1]
+                    np.testing.assert_allclose(np.asarray(o[b, ci, hq]), want, rtol=1e-5, atol=1e-5)
+        held = held + queries
 
 
 def test_fp8_bits_per_element_is_8_plus_the_scales():
