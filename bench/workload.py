@@ -259,12 +259,12 @@ def main(argv=None) -> None:
     p.add_argument("--output-tokens", type=_range, default="512,2048", help="LO,HI: output lengths uniform in [LO, HI]")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every length (prompts, prefix, outputs)")
     p.add_argument("--kv-gib", type=float, default=48.0, help="KV memory budget per run")
-    p.add_argument("--oscar-slots", type=int, default=64, help="decode batch of the OSCAR runs")
+    p.add_argument("--oscar-slots", type=int, default=128, help="decode batch of the OSCAR runs")
     p.add_argument("--page-tokens", type=int, default=1024,
                    help="KV page and prefill chunk (1024: 2.2-2.5x the tokens/s of 256 at the 8B shape, docs/paged.md)")
     p.add_argument("--whole-prompts", action="store_true",
                    help="runs without the prefix cache prefill each prompt in one pass instead of page chunks")
-    p.add_argument("--chunks-per-step", type=int, default=2,
+    p.add_argument("--chunks-per-step", type=int, default=4,
                    help="prefill pieces (a whole prompt or a chunk) per decode step")
     p.add_argument("--max-prefills", type=int, default=1, help="prompts prefilling at once (admission waits)")
     p.add_argument("--decode-steps", type=int, default=8, help="most decode steps a call")
