@@ -176,6 +176,58 @@ def test_work_line_covers_every_unit_once(pairs, tiles, dense, data):
         assert parts[pair] == list(range(counts[pair] - 1))
 
 
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 12), kv_heads=st.sampled_from([1, 2, 8]), tiles=st.integers(1, 40),
+       dense_blocks=st.sampled_from([0, 2, 5]), sms=st.sampled_from([2, 132]), data=st.data())
+def test_live_line_splits_the_live_tiles_of_ragged_rows(rows, kv_heads, tiles, dense_blocks, sms, data):
+    """LiveLine.table against a direct enumeration, for ragged lengths (idle rows, rows past
+    or short of the sink and window, full rows): each program takes one pair or nothing;
+    every live history tile (a row's history tokens / 256, rounded up) is in exactly one
+    piece of its pair, every sink and ring in exactly one program; a pair's pieces take
+    partials 0, 1, ... and its sink and ring the last of its count, at most `max_partials`;
+    no program takes more live units than the live work / target (or than a pair's live
+    tiles / (max_partials - 1)) plus a sink and ring."""
+    sink, window = 64, 256
+    lengths = np.array(data.draw(st.lists(st.integers(0, sink + window + tiles * 256), min_size=rows,
+                                          max_size=rows)), np.int32)
+    pairs = rows * kv_heads
+    config, line = mixed_attention_mgpu.schedule(pairs, tiles, 128, sms=sms, dense_blocks=dense_blocks)
+    live_line = mixed_attention_mgpu.LiveLine.like(line, config, kv_heads)
+    table = live_line.table(lengths, sink=sink, window=window, xp=np)  # the kernel's: xp=jnp (below)
+    first_at, counts_at = live_line.table_offsets
+    assert table.dtype == np.int32 and len(table) == live_line.table_size == counts_at + pairs
+    bounds, first, counts = table[:first_at], table[first_at:counts_at], table[counts_at:]
+    live = np.repeat(-(-np.clip(lengths - sink - window, 0, None) // 256), kv_heads)
+    unit, dense = live_line.unit, live_line.dense
+    per = max(-(-(live.sum() + pairs * dense) // config.target_programs),
+              -(-live.max() // (live_line.max_partials - 1)), 1)
+    seen_tiles = np.zeros((pairs, tiles), int)
+    dense_at = np.full(pairs, -1)
+    parts = [[] for _ in range(pairs)]
+    for k in range(live_line.programs):
+        u0, u1 = int(bounds[k]), int(bounds[k + 1])
+        assert u0 <= u1
+        if u0 == u1:
+            continue
+        assert int(live_line.pieces(np.int64(u0), np.int64(u1))) == 1
+        pair, owns, t_begin, t_end = (int(x) for x in live_line.piece(u0, u1, 0))
+        assert pair == u0 // unit == (u1 - 1) // unit
+        if owns:
+            assert dense_at[pair] == -1
+            dense_at[pair] = k
+        assert min(t_end, live[pair]) - t_begin <= per
+        seen_tiles[pair, t_begin:min(t_end, live[pair])] += 1
+        if t_end > t_begin:
+            parts[pair].append(k - first[pair])
+    assert (dense_at >= 0).all() and bounds[-1] == pairs * unit
+    for pair in range(pairs):
+        assert (seen_tiles[pair, :live[pair]] == 1).all() and (seen_tiles[pair, live[pair]:] == 0).all()
+        assert parts[pair] == list(range(counts[pair] - 1)) and counts[pair] <= live_line.max_partials
+    if rows == 3:  # the kernel's table, traced, agrees
+        traced = jax.jit(functools.partial(live_line.table, sink=sink, window=window))(jnp.asarray(lengths))
+        np.testing.assert_array_equal(np.asarray(traced), table)
+
+
 # (D, g, cols as slices_per_tile gives, partials, rotation: None, "f32" or its bf16 "parts")
 FINISH_CASES = [(128, 3, 4, 5, "parts"), (256, 4, 8, 40, None), (64, 2, 2, 6, "f32"), (128, 4, 4, 8, None),
                 (64, 1, 2, 3, None)]

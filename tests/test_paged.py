@@ -237,19 +237,25 @@ def test_triton_paged_equals_contiguous_on_gpu():
 
 def _check_mgpu_paged(pc, q, interpret: bool):
     """The Mosaic GPU kernel through the block table == the same kernel over the gathered cache
-    (the same schedule: the work line is the contiguous one's)."""
+    with the same schedule (the work line cut from the lengths, `live=True`), and within the
+    kernel's tolerances of it with the line cut for every row at full capacity."""
     kw = dict(sink=pc.spec.sink, window=pc.spec.window, bits=2, levels=pc.spec.quant.levels,
               softmax_scale=pc.spec.head_dim ** -0.5, interpret=interpret)
     o, lse = mixed_attention_mgpu.mixed_attention(q, layout.CacheArrays.of(pc), block_table=pc.block_table, **kw)
-    o_ref, lse_ref = mixed_attention_mgpu.mixed_attention(q, layout.CacheArrays.of(paged.gather(pc)), **kw)
+    gathered = layout.CacheArrays.of(paged.gather(pc))
+    o_ref, lse_ref = mixed_attention_mgpu.mixed_attention(q, gathered, live=True, **kw)
     np.testing.assert_array_equal(o, o_ref)
     np.testing.assert_array_equal(lse, lse_ref)
+    o_cap, lse_cap = mixed_attention_mgpu.mixed_attention(q, gathered, **kw)
+    np.testing.assert_allclose(o, o_cap, atol=1e-5 * float(np.abs(o_cap).max()), rtol=0)
+    np.testing.assert_allclose(lse, lse_cap, atol=1e-5, rtol=1e-6)
 
 
 def test_mgpu_paged_equals_contiguous_interpret():
-    """Pages of one 256-token tile (the TMA tile), shuffled; a full row and a ragged one."""
+    """Pages of one 256-token tile (the TMA tile), shuffled; a full row, a ragged one and an
+    idle one."""
     rng = np.random.default_rng(9)
-    pc, q = _paged_case(rng, d=64, page=256, pages_per_seq=2, sink=64, window=64, lengths=[64 + 64 + 512, 300],
+    pc, q = _paged_case(rng, d=64, page=256, pages_per_seq=2, sink=64, window=64, lengths=[64 + 64 + 512, 300, 0],
                         g=4)
     _check_mgpu_paged(pc, q, interpret=True)
 

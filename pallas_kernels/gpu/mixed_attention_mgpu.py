@@ -5,7 +5,7 @@ Three launches per call:
     layout the MMAs need);
   the Mosaic GPU kernel (`mixed_attention_mgpu_kernel`, its arithmetic there), which attends
     over the packed history and the bf16 sink and ring along a stream-K work line
-    (`mixed_attention_mgpu_schedule`: `Config`, `WorkLine`, `schedule`) into partials;
+    (`mixed_attention_mgpu_schedule`: `Config`, `WorkLine`, `schedule`; paged: `LiveLine`) into partials;
   `decode_finish` (one Triton kernel: the merge of every partial and, at D <= 128, the
     back-rotation of the output; XLA rotates back at D = 256, where a fused rotation would
     make each of decode_finish's channel blocks merge all 256 channels of every partial).
@@ -29,9 +29,9 @@ from . import mixed_attention_mgpu_kernel as kernel_lib
 from .decode_finish import decode_finish
 from .hopper import sm_count
 from .mixed_attention_mgpu_kernel import ROWS, TPB, N
-from .mixed_attention_mgpu_schedule import Config, WorkLine, schedule, slices_per_tile
+from .mixed_attention_mgpu_schedule import Config, LiveLine, WorkLine, schedule, slices_per_tile
 
-__all__ = ["Config", "WorkLine", "mixed_attention", "schedule", "slices_per_tile", "supports"]
+__all__ = ["Config", "LiveLine", "WorkLine", "mixed_attention", "schedule", "slices_per_tile", "supports"]
 
 
 def supports(spec, c: int, g: int) -> bool:
@@ -51,7 +51,7 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
                     interpret: bool = False, config: Config | None = None,
                     query_rot: jax.Array | None = None, output_rot: jax.Array | None = None,
                     query_rot_stats: jax.Array | None = None, out_dtype=jnp.float32, block_table=None,
-                    history_offset=None):
+                    history_offset=None, live: bool | None = None):
     """Same contract as `mixed_attention.mixed_attention` (Triton), restricted to `supports`,
     except that both rotations may be left to this kernel.
 
@@ -69,7 +69,9 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
     arrays are then pools of P pages of R packed rows ([P, Hkv, R, D] etc.; R a multiple of the
     64-row TMA tile: pages of whole HIST_TILEs), and history tile t of row b is read from page
     block_table[b, t * 64 // R] where its TMA copy is issued (the schedule is the contiguous
-    one's for n * R rows).
+    one's for n * R rows, cut at call time from the lengths: `LiveLine`).
+    live: cut the work at call time from the lengths (`LiveLine`) instead of at trace time for
+    every row at full capacity (`WorkLine`); None: where paged. Not with a history_offset.
     history_offset: int32 [] (may be traced) for a history slice (sequence parallelism): the
     history arrays hold history indices [history_offset, history_offset + T_hist) of a longer
     history; the result is then the slice's partial, the sink and ring attended only where
@@ -97,8 +99,10 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
     if hist_codes_v.shape != (lead, hkv, d, page_rows):
         raise ValueError(f"hist_codes_v.shape={hist_codes_v.shape}: expected channel-major "
                          f"[{lead}, Hkv={hkv}, D={d}, {page_rows}]")
-    if history_offset is not None and paged:
-        raise ValueError("history_offset with a block_table: a paged history is attended whole")
+    live = paged if live is None else live
+    if history_offset is not None and (paged or live):
+        raise ValueError("history_offset with a block_table or live=True: a paged history, and a live line, "
+                         "are attended whole")
     if rows >= ROWS and rows % ROWS:
         raise ValueError(f"hist_codes_k.shape={hist_codes_k.shape}: T_hist/4 must be a multiple of {ROWS} "
                          "(whole TMA tiles; CacheSpec allocates a longer history in 256-token tiles)")
@@ -121,11 +125,13 @@ def mixed_attention(q, cache: layout.CacheArrays, *, sink: int, window: int,
     tiles = -(-max(rows, ROWS) // ROWS)
     config, line = schedule(b * hkv, tiles, d, sms=sm_count(), config=config,
                             dense_blocks=kernel_lib.dense_blocks(sink, window)[1])
+    if live:  # slots of ragged lengths: cut the work from them at call time
+        line = LiveLine.like(line, config, hkv)
     kernel = kernel_lib.history_kernel(
         line, batch=b, kv_heads=hkv, head_dim=d, g=g, packed=packed, hist_rows=rows,
         warpgroups=config.warpgroups, buffers=config.buffers, sink=sink, window=window, interpret=interpret,
-        pages=(len(line.table()), block_table.shape[1], page_rows) if paged else None)
-    table = jnp.asarray(line.table())
+        pages=(line.table_size, block_table.shape[1], page_rows) if paged else None)
+    table = line.table(lengths, sink=sink, window=window) if live else jnp.asarray(line.table())
     if paged:  # the block table rides behind the schedule's tables (decode_finish reads those only)
         table = jnp.concatenate([table, block_table.reshape(-1).astype(table.dtype)])
     lengths = lengths.astype(jnp.int32)

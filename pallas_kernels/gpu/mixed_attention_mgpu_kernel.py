@@ -42,11 +42,11 @@ With g <= 4 (at D <= 128) several token slices share one [64, 8] score tile, eac
 own block of columns (`slices_per_tile`): q sits block-diagonally in the B operand, and
 each column block is one more partial softmax for the merge, so padding columns do no work.
 
-Work comes as a `WorkLine` (`mixed_attention_mgpu_schedule`): program k takes units
-[bounds[k], bounds[k + 1]) of the (batch row, KV head) pairs' work laid end to end, i.e.
-pieces of one or two pairs. One warpgroup a program, `warpgroups` of them per block; each
-step moves 64 packed rows (256 tokens) of K codes, the [D, 64] V-code tile and their
-metadata into shared memory with TMA, `buffers` steps deep. Only a piece's last step masks
+Work comes as a `WorkLine` or a `LiveLine` (`mixed_attention_mgpu_schedule`): program k
+takes units [bounds[k], bounds[k + 1]) of the (batch row, KV head) pairs' work laid end to
+end, i.e. pieces of one or two pairs (a `LiveLine`'s: one). One warpgroup a program,
+`warpgroups` of them per block; each step moves 64 packed rows (256 tokens) of K codes, the
+[D, 64] V-code tile and their metadata into shared memory with TMA, `buffers` steps deep. Only a piece's last step masks
 (tokens past the history). The V products' B operands are zero outside their slice's column
 block once, before the loop, so each step stores only the weights.
 
@@ -75,7 +75,7 @@ from . import decode_start as start
 from . import mgpu_helpers as helpers
 from .hopper import bf16_tiles, int8_tiles
 from .mgpu_helpers import SLICE_SCALE
-from .mixed_attention_mgpu_schedule import WorkLine
+from .mixed_attention_mgpu_schedule import LiveLine, WorkLine
 
 ROWS = start.TILE_ROWS  # packed rows per step: one m64 MMA tile per token slice
 N = start.N  # query columns (the smallest MMA N): g heads of one or more token slices
@@ -185,7 +185,7 @@ def _dense(b, h, n, qd_ref, segments, o_smem, *, k_smem, v_smem, p_smem, qd_smem
 def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, sck_ref, lov_ref, scv_ref,
             sk_ref, sv_ref, rk_ref, rv_ref, o_ref, lse_ref, *, codes, q_smem, qcol_smem, meta_smem, w_smem,
             o_smem, lse_smem, red_smem, q_bar, tile_bars, dense_bars, stage_k=None, stage_v=None,
-            line: WorkLine, hist_tokens: int, head_dim: int, packed: int, buffers: int,
+            line: WorkLine | LiveLine, hist_tokens: int, head_dim: int, packed: int, buffers: int,
             sink: int, window: int, g: int, kv_heads: int, warpgroups: int, interpret: bool,
             pages: tuple[int, int, int] | None = None):
     # Program k = warpgroup wg of block `block` takes units [bounds[k], bounds[k + 1]) of the
@@ -438,10 +438,10 @@ def _kernel(n_ref, table_ref, q_ref, qcol_ref, qd_ref, ck_ref, cv_ref, lok_ref, 
     pl.when(line.pieces(u0, u1) > 1)(functools.partial(piece, 1))
 
 
-def history_kernel(line: WorkLine, *, batch: int, kv_heads: int, head_dim: int, g: int, packed: int,
+def history_kernel(line: WorkLine | LiveLine, *, batch: int, kv_heads: int, head_dim: int, g: int, packed: int,
                    hist_rows: int, warpgroups: int, buffers: int, sink: int, window: int, interpret: bool,
                    pages: tuple[int, int, int] | None = None):
-    """The kernel for `line` -> fn(lengths int32 [B], table int32 (`line.table()`), q_blocks int8
+    """The kernel for `line` -> fn(lengths int32 [B], table int32 (`line.table(...)`), q_blocks int8
     [B, Hkv, P, 16, D], qcol f32 [B, Hkv, 2, 64, 8], q_dense bf16 [B, Hkv, 32, D] (`decode_start`'s
     outputs), codes_k uint8 [B, Hkv, R, D], codes_v uint8 [B, Hkv, D, R] (R >= 64 rows, whole
     tiles), lo_k, scale_k, lo_v, scale_v bf16 [B, Hkv, 4, R], the bf16 segments (sink K, sink V,
@@ -453,7 +453,6 @@ def history_kernel(line: WorkLine, *, batch: int, kv_heads: int, head_dim: int, 
     flattened into `table` from block_at, the code and metadata arrays [P, Hkv, ...] pools of
     pages of R rows (a multiple of 64), hist_rows = pages_per_seq * R."""
     b, hkv, d, wgs = batch, kv_heads, head_dim, warpgroups  # every buffer below is per warpgroup
-    partials = line.tables()[2]  # per pair
     history_codes = (plgpu.SMEM((wgs, buffers, ROWS, d), jnp.uint8, transforms=int8_tiles(d)),
                      plgpu.SMEM((wgs, buffers, d, ROWS), jnp.uint8, transforms=int8_tiles(ROWS)))
     dense_tiles = (plgpu.SMEM((wgs, ROWS, d), jnp.bfloat16, transforms=bf16_tiles(d)),  # K block
@@ -483,8 +482,8 @@ def history_kernel(line: WorkLine, *, batch: int, kv_heads: int, head_dim: int, 
         functools.partial(_kernel, line=line, hist_tokens=hist_rows * TPB, head_dim=d,
                           packed=packed, buffers=buffers, sink=sink, window=window, g=g, kv_heads=hkv,
                           warpgroups=wgs, interpret=interpret, pages=pages),
-        out_type=[jax.ShapeDtypeStruct((b, hkv, partials.max(), d, N), jnp.float32),
-                  jax.ShapeDtypeStruct((b, hkv, partials.max(), N), jnp.float32)],
+        out_type=[jax.ShapeDtypeStruct((b, hkv, line.max_partials, d, N), jnp.float32),
+                  jax.ShapeDtypeStruct((b, hkv, line.max_partials, N), jnp.float32)],
         scratch_types=scratch,
         grid=(-(-line.programs // wgs),),
         grid_names=("block",),

@@ -7,6 +7,11 @@ work, so a program takes pieces of one or two pairs (each piece's history one pa
 sink and ring one more) and every SM is busy to the end, whatever B x Hkv is. Work is
 counted in units of one history tile (a 256-token step of the kernel's loop); a 64-token
 bf16 block of the sink or ring counts `Config.dense_tile_cost` units.
+
+A `WorkLine` is cut at trace time for every pair at full capacity. A `LiveLine` (the paged
+cache's: slots of one engine hold ragged lengths, some none) is cut at call time from the
+rows' lengths: each pair's live history tiles alone are split into programs of about equal
+work, so idle slots and the unused capacity of short rows cost no program's time.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+TILE_TOKENS = 256  # tokens of one history tile (64 packed rows of 4 tokens)
 _WARPGROUPS = 3  # programs per block (and per SM) where there are enough of them
 
 
@@ -78,8 +86,45 @@ def slices_per_tile(g: int, head_dim: int) -> int:
     return min(4, 8 // (1 << (g - 1).bit_length()))
 
 
+class _Line:
+    """What the kernel reads of a work line: pairs of `dense` + `tiles` units laid end to end,
+    `programs` programs (program k takes units [bounds[k], bounds[k + 1])) and the table
+    layout (bounds [programs + 1], each pair's first program with history tiles [pairs], each
+    pair's partials [pairs], end to end)."""
+
+    pairs: int
+    tiles: int
+    dense: int
+
+    @property
+    def unit(self) -> int:
+        return self.dense + self.tiles
+
+    def piece(self, u0, u1, i, xp=np):
+        """The i-th pair of a program of units [u0, u1) -> (pair, whether the program takes
+        its sink and ring, its first and end history tile there)."""
+        pair = u0 // self.unit + i
+        base = pair * self.unit
+        t_begin = xp.clip(u0 - base - self.dense, 0, self.tiles)
+        t_end = xp.clip(u1 - base - self.dense, 0, self.tiles)
+        return pair, (u0 <= base) & (base < u1), t_begin, t_end
+
+    def pieces(self, u0, u1):
+        """Pairs that a program of units [u0, u1) touches: 1 or 2."""
+        return 1 + ((u0 // self.unit + 1) * self.unit < u1).astype(np.int32)
+
+    @property
+    def table_offsets(self) -> tuple[int, int]:
+        """Where the first programs and the partials start in the table."""
+        return self.programs + 1, self.programs + 1 + self.pairs
+
+    @property
+    def table_size(self) -> int:
+        return self.programs + 1 + 2 * self.pairs
+
+
 @dataclasses.dataclass(frozen=True)
-class WorkLine:
+class WorkLine(_Line):
     """The kernel's work decomposition (stream-K): each (batch row, KV head) pair's work laid
     end to end, `unit` units a pair (the sink and ring's `dense` units, then its `tiles`
     256-token history tiles), cut into programs: program k takes units [bounds[k],
@@ -93,12 +138,13 @@ class WorkLine:
     bounds: tuple[int, ...]
 
     @property
-    def unit(self) -> int:
-        return self.dense + self.tiles
-
-    @property
     def programs(self) -> int:
         return len(self.bounds) - 1
+
+    @property
+    def max_partials(self) -> int:
+        """The most partials a pair has (the kernel's partial slots a pair)."""
+        return int(self.tables()[2].max())
 
     @classmethod
     def cut(cls, pairs: int, tiles: int, dense: int, per_program: int, switch: int = 0,
@@ -128,19 +174,6 @@ class WorkLine:
             bounds.append(end)
         return cls(pairs, tiles, dense, tuple(bounds))
 
-    def piece(self, u0, u1, i, xp=np):
-        """The i-th pair of a program of units [u0, u1) -> (pair, whether the program takes
-        its sink and ring, its first and end history tile there)."""
-        pair = u0 // self.unit + i
-        base = pair * self.unit
-        t_begin = xp.clip(u0 - base - self.dense, 0, self.tiles)
-        t_end = xp.clip(u1 - base - self.dense, 0, self.tiles)
-        return pair, (u0 <= base) & (base < u1), t_begin, t_end
-
-    def pieces(self, u0, u1):
-        """Pairs that a program of units [u0, u1) touches: 1 or 2."""
-        return 1 + ((u0 // self.unit + 1) * self.unit < u1).astype(np.int32)
-
     def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int32 (bounds [programs + 1], each pair's first program with history tiles of it
         [pairs], each pair's partials [pairs]: its pieces and the sink and ring's)."""
@@ -149,11 +182,6 @@ class WorkLine:
         program_of = lambda u: np.searchsorted(bounds, u, side="right") - 1
         first, last = program_of(base + self.dense), program_of(base + self.unit - 1)
         return bounds, first.astype(np.int32), (last - first + 2).astype(np.int32)
-
-    @property
-    def table_offsets(self) -> tuple[int, int]:
-        """Where the first programs and the partials of `tables()` start in `table()`."""
-        return self.programs + 1, self.programs + 1 + self.pairs
 
     def table(self) -> np.ndarray:
         """int32 [programs + 1 + 2 pairs]: `tables()` end to end, one constant for the kernels
@@ -193,3 +221,49 @@ def schedule(pairs: int, tiles: int, head_dim: int, *, sms: int, dense_blocks: i
         raise ValueError(f"buffers={config.buffers} at warpgroups={config.warpgroups}: expected 2 with several "
                          "warpgroups (the sink and ring's buffers then overlay each warpgroup's own code buffers)")
     return config, work_line(pairs, tiles, dense_blocks, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveLine(_Line):
+    """A work line cut at call time (`table`) from the rows' lengths: pair p's L_p live history
+    tiles (its row's history tokens / 256, rounded up) go to m_p = max(1, ceil(L_p / per))
+    programs of one pair each, the first also taking the sink and ring, the last also the
+    capacity past L_p (where the kernel's pieces stop at the row's length). per = the live
+    work / `target`, raised so no pair has more than `max_partials` partials. Programs past
+    the m_p's total take no units. `programs` and `max_partials` bound any lengths' cut."""
+
+    pairs: int
+    tiles: int
+    dense: int
+    kv_heads: int
+    target: int
+    max_partials: int
+    programs: int
+
+    @classmethod
+    def like(cls, line: WorkLine, config: Config, kv_heads: int) -> "LiveLine":
+        """The live line over `line`'s pairs, tiles and sink-and-ring units, cut for `config`'s
+        target programs, with at least `line`'s partial slots a pair (more where few pairs
+        would otherwise leave SMs idle)."""
+        target = config.target_programs
+        partials = max(line.max_partials, min(line.tiles, -(-target // line.pairs)) + 2)
+        programs = min(line.pairs + target, line.pairs * (partials - 1))
+        return cls(line.pairs, line.tiles, line.dense, kv_heads, target, partials, programs)
+
+    def table(self, lengths: jax.Array, *, sink: int, window: int, xp=jnp) -> jax.Array:
+        """int32 [programs + 1 + 2 pairs]: bounds, first programs and partials (`_Line`) for
+        rows of `lengths` int32 [B] tokens (B x kv_heads = pairs), sink and window tokens
+        before the history (xp: jnp, or np for a host copy)."""
+        n_hist = xp.clip(lengths.astype(np.int32) - sink - window, 0, self.tiles * TILE_TOKENS)
+        live = xp.repeat(-(-n_hist // TILE_TOKENS), self.kv_heads)  # [pairs]
+        work = xp.sum(live) + self.pairs * self.dense
+        per = xp.maximum(xp.maximum(-(-work // self.target), -(-xp.max(live) // (self.max_partials - 1))), 1)
+        count = xp.maximum(1, -(-live // per))  # programs a pair
+        first = xp.cumsum(count) - count
+        k = xp.arange(self.programs, dtype=np.int32)
+        pair = xp.sum(first[None, :] <= k[:, None], axis=1, dtype=np.int32) - 1  # [programs]
+        j = k - first[pair]
+        cut = xp.where(j == 0, 0, self.dense + j * live[pair] // count[pair])
+        end = self.pairs * self.unit
+        bounds = xp.where(k < xp.sum(count), pair * self.unit + cut, end)
+        return xp.concatenate([bounds, xp.full((1,), end, np.int32), first, count + 1]).astype(np.int32)
