@@ -12,6 +12,8 @@ variant, greedy unless named:
   1 step a call    one decode step a call (`--decode-steps 1`, or a round of one prefill piece)
   K steps a call   a round of `--decode-steps` K steps a call (per token)
   top_p            K steps a call, every running row sampling at temperature 1, top_p 0.9
+  capacity line    K steps a call with the Mosaic GPU kernel's work cut at trace time for every
+                   slot at full capacity instead of from the live lengths (paged, on a GPU)
   static           `bench.time_decode` over LIVE rows of a contiguous state just long enough,
                    no engine (per token of 8-step segments)
 With `--profile` the one-step call is traced once more and its GPU time grouped by kernel
@@ -23,6 +25,8 @@ Writes bench/results/<device>/engine_step_<model>.json (`--out`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -39,6 +43,7 @@ from oscar_jax import paged  # noqa: E402
 from oscar_jax.models import bench, kv_policy, registry, results  # noqa: E402
 from oscar_jax.models.cli import unwritable  # noqa: E402
 from oscar_jax.models.serving import Engine, programs  # noqa: E402
+from oscar_jax.pallas_kernels.gpu import mixed_attention_mgpu  # noqa: E402
 
 import decode_profile  # noqa: E402  (bench/, beside this script)
 
@@ -82,6 +87,20 @@ def time_calls(engine: Engine, running: np.ndarray, calls: int, steps_a_call: in
     return out[1:]
 
 
+@contextlib.contextmanager
+def capacity_line():
+    """Within: the Mosaic GPU kernel cuts its work at trace time for every slot at full
+    capacity (`live=False`), the programs traced again."""
+    live_line = mixed_attention_mgpu.mixed_attention
+    mixed_attention_mgpu.mixed_attention = functools.partial(live_line, live=False)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        mixed_attention_mgpu.mixed_attention = live_line
+        jax.clear_caches()
+
+
 def _ms(seconds) -> dict:
     return {"step_ms_p50": 1e3 * float(np.median(seconds)), "step_ms_p90": 1e3 * float(np.percentile(seconds, 90))}
 
@@ -100,6 +119,11 @@ def cell_rows(model, name: str, slots: int, live: int, context: int, capacity: i
     for variant, (steps_a_call, temperature, top_p) in variants.items():
         seconds = time_calls(engine, running, -(-steps // steps_a_call), steps_a_call, temperature, top_p)
         rows.append({**base, "variant": variant, **_ms(seconds)})
+        print(rows[-1], flush=True)
+    if engine.paged and jax.default_backend() == "gpu":
+        with capacity_line():
+            seconds = time_calls(engine, running, -(-steps // k), k, 0.0, 1.0)
+        rows.append({**base, "variant": f"{k} steps a call, capacity line", **_ms(seconds)})
         print(rows[-1], flush=True)
     if profile:  # the one-step call again, traced: where its time goes on the GPU
         trace_dir = tempfile.mkdtemp(prefix="oscar_engine_step_")
