@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from oscar_jax import paged  # noqa: E402
+from oscar_jax import attention, dispatch, paged  # noqa: E402
 from oscar_jax.models import bench, kv_policy, registry, results  # noqa: E402
 from oscar_jax.models.cli import unwritable  # noqa: E402
 from oscar_jax.models.serving import Engine, programs  # noqa: E402
@@ -89,15 +89,18 @@ def time_calls(engine: Engine, running: np.ndarray, calls: int, steps_a_call: in
 
 @contextlib.contextmanager
 def capacity_line():
-    """Within: the Mosaic GPU kernel cuts its work at trace time for every slot at full
-    capacity (`live=False`), the programs traced again."""
-    live_line = mixed_attention_mgpu.mixed_attention
-    mixed_attention_mgpu.mixed_attention = functools.partial(live_line, live=False)
+    """Within: the paged Mosaic GPU decode registered with its work cut at trace time for every
+    slot at full capacity (`live=False`), the programs traced again."""
+    key = ("paged_attend", "pallas_mosaic_gpu")
+    live_line = dispatch._REGISTRY[key]
+    kernel = attention.kernel_attend(functools.partial(mixed_attention_mgpu.mixed_attention, live=False),
+                                     rotates=True, paged=True)
+    dispatch.register(*key, kernel, supports=live_line[1])
     jax.clear_caches()
     try:
         yield
     finally:
-        mixed_attention_mgpu.mixed_attention = live_line
+        dispatch.register(*key, *live_line)
         jax.clear_caches()
 
 
@@ -158,7 +161,7 @@ def _check_args(p: argparse.ArgumentParser, a) -> tuple[list[tuple[str, int, int
     if min(a.steps, a.page_tokens, a.decode_steps) < 1:
         p.error(f"--steps {a.steps} / --page-tokens {a.page_tokens} / --decode-steps {a.decode_steps}: "
                 "expected ints >= 1")
-    room = capacity - (3 + a.profile) * (a.steps + 2 * a.decode_steps)  # what the running rows grow by, at most
+    room = capacity - (4 + a.profile) * (a.steps + 2 * a.decode_steps)  # what the running rows grow by, at most
     if not 1 <= context <= room:
         p.error(f"--context {a.context}: expected 1 <= context <= capacity - runs (steps + 2 decode steps) = {room}")
     if a.profile and jax.default_backend() != "gpu":

@@ -225,13 +225,14 @@ def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: 
     # XLA, in float32: float8 values are exact in it, and their scales go on the scores and
     # the output. One query (decode) over a bf16 or f32 cache multiplies and reduces in one
     # fused pass over the cache as it lies (no transposed or converted copy of it); an extend
-    # chunk's C queries, and every float8 call, use dot products. A float8 cache's dot products
-    # run at default precision (TF32 on a GPU, which holds e4m3 and bf16 values exactly): on a
-    # GPU XLA's fused pass over a float8 cache reads it several times slower.
+    # chunk's C queries use dot products at full precision. One query over a float8 cache uses
+    # dot products at default precision: on a GPU the fused pass reads a float8 cache several
+    # times slower, and TF32 holds its e4m3 values and bf16 queries exactly (it rounds f32
+    # queries and the softmax weights to 11 significant bits, a TPU's bf16 pass to 8; e4m3 keeps 4).
     load = lambda stored: stored.astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(b, c, hkv, hq // hkv, d)
     dots = c > 1 or layer.k.dtype == FP8
-    precision = jax.lax.Precision.DEFAULT if layer.k.dtype == FP8 else _HI
+    precision = jax.lax.Precision.DEFAULT if c == 1 else _HI
     if dots:
         s = jnp.einsum("bchgd,bthd->bchgt", qg, load(layer.k), precision=precision)
     else:
