@@ -89,8 +89,7 @@ def check_attention(rng, spec, g, c, lengths, kernel=None, k_shift=False, implem
     if kernel is None:
         o, lse = attend(q, cache, params, implementation=implementation, interpret=INTERPRET)
     else:
-        o, lse = jax.jit(functools.partial(attention.kernel_attend(kernel, rotates=rotates),
-                                           interpret=INTERPRET))(q, cache, params)
+        o, lse = _kernel_attend(kernel, rotates)(q, cache, params)
     o_ref, lse_ref = reference(q, cache, params)
     assert o.shape == o_ref.shape and lse.shape == lse_ref.shape
     assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
@@ -98,6 +97,13 @@ def check_attention(rng, spec, g, c, lengths, kernel=None, k_shift=False, implem
         rel = float(jnp.linalg.norm(o[row] - o_ref[row]) / jnp.linalg.norm(o_ref[row]))
         assert rel <= 1e-2, f"row {row} (length {lengths[row]}): relative error {rel:.3e}"
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=2e-2, rtol=5e-3)
+
+
+@functools.cache
+def _kernel_attend(kernel, rotates: bool):
+    """`attention.kernel_attend(kernel)` jitted, one per kernel object: the cases that pass the
+    same kernel at the same shapes share one compilation."""
+    return jax.jit(functools.partial(attention.kernel_attend(kernel, rotates=rotates), interpret=INTERPRET))
 
 
 def lower_for_h200(fn, args):

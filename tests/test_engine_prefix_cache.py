@@ -257,9 +257,10 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     with --warm-up-only it writes nothing."""
     workload = _workload_module()
     out = tmp_path / "w.json"
-    workload.main(["--model", "tiny", "--scale", "0.004", "--requests", "6", "--rate", "4", "--kv", "oscar",
-                   "--prefix-cache", "on", "--kv-gib", "0.0002", "--dtype", "float32", "--prompt-tokens",
-                   "8192,16384", "--output-tokens", "512,1024", "--out", str(out)])
+    argv = ["--model", "tiny", "--scale", "0.004", "--requests", "6", "--rate", "4", "--kv", "oscar", "--prefix-cache",
+            "on", "--kv-gib", "0.0002", "--dtype", "float32", "--prompt-tokens", "8192,16384", "--output-tokens",
+            "512,1024"]
+    workload.main([*argv, "--out", str(out)])
     (row,) = results_rows(out)
     assert row["requests"] == 6 and row["compiles_timed"] == 0 and row["shared_requests"] >= 2
     assert 0 < row["prefix_hit_tokens"] <= row["shared_prefix_tokens"] and row["pages_in_use"]
@@ -267,10 +268,9 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     assert 1 <= row["tokens_per_decode_step"] <= row["slots"]
     assert 0 < row["delivery_gap_p50_s"] <= row["delivery_gap_p99_s"]
     assert out.with_suffix(".png").stat().st_size > 0
-    only = tmp_path / "warm.json"
-    workload.main(["--model", "tiny", "--scale", "0.004", "--requests", "6", "--kv", "oscar", "--kv-gib", "0.0002",
-                   "--warm-up-only", "--out", str(only)])
-    assert not only.exists()  # it compiles and stops
+    only = tmp_path / "warm.json"  # both modes at the lengths above: the programs that run compiled
+    workload.main([*argv, "--prefix-cache", "off,on", "--warm-up-only", "--out", str(only)])
+    assert not only.exists()  # it warms up and stops
 
 
 def results_rows(path) -> list[dict]:

@@ -64,9 +64,15 @@ def test_mgpu_attention_matches_reference(case, pattern):
     rng = np.random.default_rng([d, g, hist, target, pattern])
     assert mixed_attention_mgpu.supports(spec, 1, g)
     config = MgpuConfig(3, 2, target) if d <= 128 else MgpuConfig(1, 3, target)  # 3 per block: large shapes'
-    kernel = functools.partial(mixed_attention_mgpu.mixed_attention, config=config)
-    check_attention(rng, spec, g, 1, ragged_lengths(rng, pattern, 1, spec), kernel=kernel, k_shift=True,
-                    rotates=True)
+    check_attention(rng, spec, g, 1, ragged_lengths(rng, pattern, 1, spec), kernel=_mgpu_kernel(config),
+                    k_shift=True, rotates=True)
+
+
+@functools.cache
+def _mgpu_kernel(config: MgpuConfig):
+    """The kernel at `config`, one object per config: the patterns of one case share its
+    compilation (`check_attention` jits each kernel once)."""
+    return functools.partial(mixed_attention_mgpu.mixed_attention, config=config)
 
 
 @pytest.mark.parametrize("sink,window", [(64, 192), (0, 100)])

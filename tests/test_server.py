@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import signal
 import socket
@@ -35,9 +36,16 @@ class Server:
     base: str
     proc: subprocess.Popen
     prefix_dir: Path
+    texts: dict = dataclasses.field(default_factory=dict)  # prompt -> its greedy text alone (`alone_text`)
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, **kw)
+
+    def alone_text(self, prompt: str) -> str:
+        """The greedy text of `prompt` requested alone (once per server: the tests that need it share it)."""
+        if prompt not in self.texts:
+            self.texts[prompt] = _alone(self.client(), prompt).choices[0].text
+        return self.texts[prompt]
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.base}/metrics").text
@@ -60,11 +68,23 @@ def server(tmp_path_factory):
     port = _free_port()
     prefix_dir = tmp_path_factory.mktemp("serve") / "prefix-cache"
     oscar = [sys.executable, "-c", "from oscar_jax.models.cli import main; main()"]
+    # The server runs its few programs many times: XLA's default code generation, not the
+    # unoptimised one tests/conftest.py sets for the compile-bound test processes (this module
+    # runs ~1.2x faster so). Where xdist splits the module over two workers, each starts a
+    # server: the second loads the programs the first compiled from a compilation cache of this
+    # session (its workers' common temporary directory; file-locked, as JAX locks it once it has
+    # a size limit).
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization_level")]
+    session = tmp_path_factory.getbasetemp()
+    session = session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags),
+           "JAX_COMPILATION_CACHE_DIR": str(session / "serve-compilation-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_COMPILATION_CACHE_MAX_SIZE": str(1 << 30)}
     proc = subprocess.Popen(
         [*oscar, "serve", "--model", MODEL, "--kv", "oscar", "--port", str(port), "--slots", "8", "--max-len", "1024",
          "--max-queue", "64", "--max-body-bytes", "65536", "--page-tokens", "64", "--prefix-cache-dir",
          str(prefix_dir), "--no-warm-up"],  # programs compile on first use (warm-up: test_serving_engine)
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     srv = Server(f"http://127.0.0.1:{port}", proc, prefix_dir)
     deadline = time.monotonic() + 300
     while True:
@@ -94,6 +114,7 @@ def test_completions_chat_streaming_and_stop_strings(server):
     done = _alone(client, PROMPTS[0])
     text = done.choices[0].text
     assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == MAX_TOKENS and text
+    assert server.texts.setdefault(PROMPTS[0], text) == text  # `alone_text`'s (greedy: as any earlier request)
     streamed = _alone(client, PROMPTS[0], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text
     # a stop string cuts the text before it, finish "stop"
@@ -154,8 +175,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
 
 
 def test_32_concurrent_streams_each_get_their_text_alone(server):
-    client = server.client()
-    alone = {p: _alone(client, p).choices[0].text for p in PROMPTS}
+    alone = {p: server.alone_text(p) for p in PROMPTS}
     aclient = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
 
     async def one(prompt: str) -> str:

@@ -102,19 +102,29 @@ def test_engine_output_equals_request_alone(model_name, policy_name, chunk, deco
     one_step = _engine(model, policy, chunk, 1, num_pages)  # a sampled request's tokens, round by round
     one_step.submit(reqs[3])
     assert one_step.run()[0] == together[ids[3]]
-    for i, req in zip(ids, reqs):
-        if req.temperature == 0 and not req.stop_ids:
-            assert together[i].tokens == _contiguous(model, policy, req, chunk), f"request {i} against generate"
+    greedy = [(i, req) for i, req in zip(ids, reqs) if req.temperature == 0 and not req.stop_ids]
+    for (i, req), tokens in zip(greedy, _contiguous(model, policy, [req for _, req in greedy], chunk)):
+        assert together[i].tokens == tokens, f"request {i} against generate"
 
 
-def _contiguous(model, policy, req: Request, chunk: int | None) -> list[int]:
-    """Greedy tokens of `req` through `generate` on a contiguous one-row cache: `generate.generate`,
-    or with chunk: prefill of the first 1..chunk tokens, extend chunks, then one-token extends."""
+def _contiguous(model, policy, reqs: list[Request], chunk: int | None) -> list[list[int]]:
+    """Greedy tokens of each of `reqs` through `generate` on a contiguous cache. Without chunk:
+    one `generate.generate` over the ragged batch, each row cut to its max_tokens (a row's greedy
+    tokens depend neither on the other rows nor on the tokens after them). With chunk, one
+    request at a time on a one-row cache: prefill of its first 1..chunk tokens, extend chunks,
+    then one-token extends (the caches of one capacity: their programs compile once)."""
     if chunk is None:
-        return gen.generate(model, policy, [list(req.prompt)], max_new_tokens=req.max_tokens, eos_ids=()).tokens[0]
+        most = max(r.max_tokens for r in reqs)
+        out = gen.generate(model, policy, [list(r.prompt) for r in reqs], max_new_tokens=most, eos_ids=()).tokens
+        return [tokens[:r.max_tokens] for tokens, r in zip(out, reqs)]
+    capacity = max([MAX_LEN] + [len(r.prompt) + r.max_tokens for r in reqs])
+    return [_chunked(model, policy, r, chunk, capacity) for r in reqs]
+
+
+def _chunked(model, policy, req: Request, chunk: int, capacity: int) -> list[int]:
     n = len(req.prompt)
     head = n - (n - 1) // chunk * chunk
-    kv = gen.init_state(model, policy, 1, n + req.max_tokens, chunk)
+    kv = gen.init_state(model, policy, 1, capacity, chunk)
     logits, kv = gen.prefill(model, kv, np.array([req.prompt[:head]]), np.array([head]))
     for i in range(head, n, chunk):
         chunk_logits, kv = gen.extend(model, kv, np.array([req.prompt[i:i + chunk]]))
@@ -398,7 +408,7 @@ def test_a_prompt_filling_its_slot_with_one_token_to_generate_serves():
     engine = _engine(model, policy, 4)
     req = Request(tuple(range(1, MAX_LEN + 1)), 1)
     rid = engine.submit(req)
-    assert engine.run()[rid].tokens == _contiguous(model, policy, req, 4)
+    assert engine.run()[rid].tokens == _contiguous(model, policy, [req], 4)[0]
 
 
 def test_engine_max_len_within_sink_and_window_serves():
@@ -408,7 +418,7 @@ def test_engine_max_len_within_sink_and_window_serves():
     engine = Engine(model, policy, slots=2, max_len=10, page_tokens=PAGE)
     req = Request((5, 17, 3, 60, 8), 5)
     rid = engine.submit(req)
-    assert engine.run()[rid].tokens == _contiguous(model, policy, req, None)
+    assert engine.run()[rid].tokens == _contiguous(model, policy, [req], None)[0]
 
 
 @pytest.mark.parametrize("kwargs, match", [
