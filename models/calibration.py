@@ -122,6 +122,9 @@ def calibrate(
                                                            "from the budget row of an earlier --json record of "
                                                            "the same settings (another target) instead of "
                                                            "measuring them again"),
+    budget_relearn: bool = typer.Option(False, help="--target-bpe with learned rotations: train them again, from "
+                                                    "the first ones, for each layer's chosen quantiser and the "
+                                                    "chosen sink + window, then refit the clips"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print: "
                                               "a rotation name (K and V) or K:V"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
@@ -217,6 +220,9 @@ def calibrate(
                     "kl_context": budget_kl_context, "kl_sequences": budget_kl_windows})
             except (OSError, ValueError, KeyError) as e:
                 cli.fail(f"--budget-measured {budget_measured}: {e}")
+    if budget_relearn and (target_bpe is None or not any(cal.RotationSpec.parse(r).kind == "learned"
+                                                         for r in (rotation_k, rotation_v))):
+        cli.fail("--budget-relearn: expected --target-bpe and a learned --rotation-k or --rotation-v")
     held_windows = 2 if compare else 1
     if heldout_tokens < held_windows * seq_len:
         cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
@@ -245,25 +251,31 @@ def calibrate(
     learned_cache: dict[tuple[str, str], tuple[cal.Rotation, cal.Rotation]] = {}
     learn_seconds = 0.0
 
-    def learned(rot_k: str, rot_v: str) -> tuple[cal.Rotation, cal.Rotation]:
-        """Train (once) the learned ones of (rot_k, rot_v), with a progress bar."""
+    def learned(rot_k: str, rot_v: str, start=None, layer_quant=None, segment=None) -> tuple[cal.Rotation, ...]:
+        """Train the learned ones of (rot_k, rot_v) with a progress bar: once from --learn-init
+        (cached), or again from `start` for per-layer quantisers and a segment (a budget's)."""
         nonlocal learn_seconds
-        if (rot_k, rot_v) not in learned_cache:
-            t0 = time.perf_counter()
-            batches = capture_batches(decoder, ids[:learn_tokens], seq_len=seq_len, batch=learn_batch)
-            n_batches = -(-(learn_tokens // seq_len) // learn_batch)
-            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("served output error {task.fields[loss]}"), TimeElapsedColumn())
-            with Progress(*columns, console=console) as bar:
-                task = bar.add_task(f"learning K {rot_k}, V {rot_v} from {learn_cfg.init}",
-                                    total=learn_cfg.epochs * n_batches, loss="-")
-                learned_cache[rot_k, rot_v] = learn.learn_rotations(
-                    run.stats, batches, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
-                    sink=sink, window=window, config=learn_cfg, center_keys=center_keys, grid=grid,
-                    softmax_scale=decoder.cfg.softmax_scale,
-                    progress=lambda losses: bar.update(task, advance=1, loss=f"{losses.mean():.4f}"))
-            learn_seconds += time.perf_counter() - t0
-        return learned_cache[rot_k, rot_v]
+        if start is None and (rot_k, rot_v) in learned_cache:
+            return learned_cache[rot_k, rot_v]
+        t0 = time.perf_counter()
+        batches = capture_batches(decoder, ids[:learn_tokens], seq_len=seq_len, batch=learn_batch)
+        n_batches = -(-(learn_tokens // seq_len) // learn_batch)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("served output error {task.fields[loss]}"), TimeElapsedColumn())
+        s, w = segment or (sink, window)
+        with Progress(*columns, console=console) as bar:
+            task = bar.add_task(f"learning K {rot_k}, V {rot_v} from "
+                                f"{learn_cfg.init if start is None else 'the budget: its quantisers, ' + f'{s} + {w}'}",
+                                total=learn_cfg.epochs * n_batches, loss="-")
+            rotations = learn.learn_rotations(
+                run.stats, batches, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
+                sink=s, window=w, config=learn_cfg, center_keys=center_keys, grid=grid,
+                softmax_scale=decoder.cfg.softmax_scale, start=start, layer_quant=layer_quant,
+                progress=lambda losses: bar.update(task, advance=1, loss=f"{losses.mean():.4f}"))
+        learn_seconds += time.perf_counter() - t0
+        if start is None:
+            learned_cache[rot_k, rot_v] = rotations
+        return rotations
 
     is_learned = lambda name: cal.RotationSpec.parse(name).kind == "learned"
     rotations = learned(rotation_k, rotation_v) if is_learned(rotation_k) or is_learned(rotation_v) else (
@@ -307,6 +319,16 @@ def calibrate(
         result, (sink, window) = choice.calibration, choice.segment
         budget_errors, picked = choice.errors[choice.chosen], choice.picked
     fit_s = time.perf_counter() - t0
+    if budget_relearn:  # train again for the chosen quantisers and segment, then refit each quantiser's clips
+        again = learned(rotation_k, rotation_v, start=(result.rot_k, result.rot_v), layer_quant=result.layer_quant,
+                        segment=(sink, window))
+        t0 = time.perf_counter()
+        used = list(dict.fromkeys(picked.tolist()))
+        result = budget.select([cal.calibrate(run.stats, run.heldout, rotation_k=again[0], rotation_v=again[1],
+                                              quant_cfg=candidates[j], clips=clips, grid=grid, softmax_scale=scale,
+                                              center_keys=center_keys) for j in used],
+                               np.array([used.index(j) for j in picked.tolist()]))
+        fit_s += time.perf_counter() - t0
     try:
         meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),
                              corpus_hash=artifact.fingerprint(ids), layers=run.layers,
@@ -362,6 +384,7 @@ def calibrate(
                      "chunk": budget_chunk, "heldout_sequences": budget_windows, "heldout_tokens": heldout_tokens,
                      "rotation_k": rotation_k, "rotation_v": rotation_v, "clips": clips, "clip_min": clip_min,
                      "measured_in": None if budget_measured is None else str(budget_measured),
+                     "relearned": budget_relearn,
                      "bpe": float(choice.bits[choice.chosen, picked].mean()),
                      "candidates": [dataclasses.asdict(q) for q in candidates],
                      "segments": [list(x) for x in segments], "candidate_bpe": choice.bits.tolist(),

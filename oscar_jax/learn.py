@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -278,11 +278,23 @@ def _update(params, opt_state, q, k, v, fixed, key, *, optimizer, cfg, sink, win
     return optax.apply_updates(params, updates), opt_state, losses
 
 
+def _layers(x, idx: np.ndarray):
+    """Layers idx of statistics, a rotation or an array [L, ...]."""
+    if isinstance(x, cal.Statistics):
+        return dataclasses.replace(x, query_cov=x.query_cov[idx], key_cov=x.key_cov[idx],
+                                   key_mean=x.key_mean[idx], value_cov=x.value_cov[idx])
+    if isinstance(x, cal.Rotation):
+        return cal.Rotation(x.rot[idx], x.dual[idx], x.eigenvalues[idx], x.spec)
+    return x[idx]
+
+
 def learn_rotations(stats: cal.Statistics, batches: Callable[[], Iterable], *,
                     rotation_k: cal.RotationSpec | str, rotation_v: cal.RotationSpec | str,
                     quant_cfg: QuantConfig, sink: int, window: int, config: LearnConfig = LearnConfig(),
                     center_keys: bool = False, grid=CLIP_GRID, softmax_scale: float | None = None,
-                    progress: Callable[[np.ndarray], None] | None = None) -> tuple[cal.Rotation, cal.Rotation]:
+                    progress: Callable[[np.ndarray], None] | None = None,
+                    start: tuple[cal.Rotation, cal.Rotation] | None = None,
+                    layer_quant: Sequence[QuantConfig] | None = None) -> tuple[cal.Rotation, cal.Rotation]:
     """Train the "learned" ones of rotation_k, rotation_v (a "learned" spec trains from
     config.init with the same per-head setting; any other is built from `stats` and kept).
 
@@ -291,30 +303,60 @@ def learn_rotations(stats: cal.Statistics, batches: Callable[[], Iterable], *,
     used while training are fitted (`clips.fit_clips`) for the initial rotations on the
     first batch (fit the final clips on the learned ones with `calibrate.calibrate`); sink,
     window: the bf16 segments the cache is served with; progress(losses [L]) is called after
-    each batch. Returns (rot_k, rot_v) [L, Hkv, D, D] (learned from an orthogonal init:
-    orthogonal)."""
+    each batch. start: (rot_k, rot_v) [L, Hkv, D, D] to start from in place of the built
+    ones (e.g. rotations learned for another quantiser); layer_quant: one quantiser per layer
+    (a bit budget's), each layer trained with its own (default: quant_cfg everywhere).
+    Returns (rot_k, rot_v) [L, Hkv, D, D] (learned from an orthogonal init: orthogonal)."""
     specs = [cal.RotationSpec.parse(s) if isinstance(s, str) else s for s in (rotation_k, rotation_v)]
     train = tuple(w for w, s in zip("kv", specs) if s.kind == "learned")
     if not train:
         raise ValueError(f"rotation_k={specs[0].name!r}, rotation_v={specs[1].name!r}: neither is 'learned'")
     if len({s.per_head for s in specs if s.kind == "learned"}) > 1:
         raise ValueError("rotation_k and rotation_v: learned ones must both be per head or both per layer")
+    num_layers = stats.query_cov.shape[0]
+    layer_quant = (quant_cfg,) * num_layers if layer_quant is None else tuple(layer_quant)
+    if len(layer_quant) != num_layers:
+        raise ValueError(f"layer_quant: {len(layer_quant)} quantisers, expected one per layer (L={num_layers})")
+    if start is not None and any(r.rot.shape != stats.query_cov.shape for r in start):
+        raise ValueError(f"start: rotations of shapes {[r.rot.shape for r in start]}, expected [L, Hkv, D, D] = "
+                         f"{stats.query_cov.shape}")
     stats_c, _, k_shift = cal.centered(stats, None, center_keys)
-    init = [cal.rotation_for(stats_c, w, cal.RotationSpec(config.init, s.per_head) if s.kind == "learned" else s,
-                             quant_cfg.group_size) for w, s in zip("kv", specs)]
     per_head = next(s.per_head for s in specs if s.kind == "learned")
-    learner = None
+    groups = {q: np.array([i for i, x in enumerate(layer_quant) if x == q]) for q in dict.fromkeys(layer_quant)}
+    learners: dict[QuantConfig, RotationLearner] = {}
     for _ in range(config.epochs):
         for q, k, v in batches():
-            if learner is None:
-                _, (q_c, k_c, v_c), _ = cal.centered(stats, (q, k, v), center_keys)
-                fit = fit_clips(stats_c, q_c, k_c, v_c, init[0], init[1], quant_cfg, grid, softmax_scale)
-                learner = RotationLearner(init[0], init[1], train, per_head=per_head, clip_k=fit.clip_k,
-                                          clip_v=fit.clip_v, quant_cfg=quant_cfg, sink=sink, window=window,
-                                          k_shift=k_shift, softmax_scale=softmax_scale, config=config)
-            losses = learner.step(q, k, v)
+            losses = np.zeros(num_layers)
+            for cfg, idx in groups.items():
+                part = [_layers(x, idx) for x in (q, k, v)]
+                if cfg not in learners:
+                    if start is not None:
+                        init = [_layers(r, idx) for r in start]
+                    else:
+                        init = [cal.rotation_for(_layers(stats_c, idx), w, cal.RotationSpec(config.init, s.per_head)
+                                                 if s.kind == "learned" else s, cfg.group_size)
+                                for w, s in zip("kv", specs)]
+                    _, (q_c, k_c, v_c), _ = cal.centered(_layers(stats, idx), part, center_keys)
+                    fit = fit_clips(_layers(stats_c, idx), q_c, k_c, v_c, init[0], init[1], cfg, grid, softmax_scale)
+                    learners[cfg] = RotationLearner(
+                        init[0], init[1], train, per_head=per_head, clip_k=fit.clip_k, clip_v=fit.clip_v,
+                        quant_cfg=cfg, sink=sink, window=window,
+                        k_shift=None if k_shift is None else k_shift[idx], softmax_scale=softmax_scale, config=config)
+                losses[idx] = learners[cfg].step(*part)
             if progress is not None:
                 progress(losses)
-    if learner is None:
+    if not learners:
         raise ValueError("batches() yielded no calibration batch to learn from")
-    return learner.rotations()
+    return tuple(_stitch([learners[cfg].rotations()[i] for cfg in groups], list(groups.values()), num_layers)
+                 for i in range(2))
+
+
+def _stitch(parts: Sequence[cal.Rotation], indices: Sequence[np.ndarray], num_layers: int) -> cal.Rotation:
+    """Rotations of layer groups (parts[j] for layers indices[j]) -> one [L, ...] rotation."""
+    out = {}
+    for field in ("rot", "dual", "eigenvalues"):
+        first = getattr(parts[0], field)
+        out[field] = np.zeros((num_layers, *first.shape[1:]), first.dtype)
+        for part, idx in zip(parts, indices):
+            out[field][idx] = getattr(part, field)
+    return cal.Rotation(**out, spec=parts[0].spec)

@@ -179,6 +179,35 @@ def test_learning_from_the_error_shaped_rotation():
     assert np.all(after < before), (before, after)
 
 
+def test_per_layer_quantisers_train_each_layer_group_as_alone():
+    """layer_quant (a bit budget's): each group of layers sharing a quantiser comes out bit for
+    bit as those layers learned alone with that quantiser (the group's statistics and
+    activations only); `start` at the built U·H·P rotations equals learning from U·H·P."""
+    rng = np.random.default_rng(6)
+    q, k, v = _outlier_draw(rng, 4)
+    st = cal.statistics(stream(q, k, v))
+    two, four = QuantConfig(bits=2, group_size=8), QuantConfig(bits=4, group_size=16)
+    layer_quant = tuple(four if i % 2 else two for i in range(L))
+    config = learn.LearnConfig(epochs=2, steps_per_batch=1, queries=16, learning_rate=1e-2)
+    batches = lambda: [tuple(x[:, i: i + 2] for x in (q, k, v)) for i in range(0, 4, 2)]
+    run = lambda st_, b, cfg, **kw: learn.learn_rotations(st_, b, rotation_k="learned/head", rotation_v="uhp/head",
+                                                          quant_cfg=cfg, sink=2, window=8, config=config,
+                                                          center_keys=True, grid=(0.8, 1.0), **kw)
+    mixed = run(st, batches, two, layer_quant=layer_quant)
+    for cfg in (two, four):
+        idx = np.array([i for i in range(L) if layer_quant[i] == cfg])
+        alone = run(learn._layers(st, idx), lambda: [tuple(x[idx] for x in b) for b in batches()], cfg)
+        for got, want in zip(mixed, alone):
+            np.testing.assert_array_equal(got.rot[idx], want.rot)
+            np.testing.assert_array_equal(got.dual[idx], want.dual)
+    built = cal.centered(st, None, True)[0]
+    start = cal.rotation_for(built, "k", "uhp/head"), cal.rotation_for(st, "v", "uhp/head")
+    for got, want in zip(run(st, batches, two, start=start), run(st, batches, two)):
+        np.testing.assert_array_equal(got.rot, want.rot)
+    with pytest.raises(ValueError, match="one per layer"):
+        run(st, batches, two, layer_quant=layer_quant[:-1])
+
+
 def test_artifact_round_trips_the_learned_variant(tmp_path):
     rng = np.random.default_rng(3)
     q, k, v, *_ = planted(rng, b=1, t=40)
@@ -279,3 +308,44 @@ def test_calibrate_cli_learns_rotations_end_to_end(tmp_path):
     assert result.exit_code == 0, result.output
     row = json.loads(report.read_text())["rows"][0]
     assert row["kv"] == "oscar" and np.isfinite(row["ppl"]) and "learned/learned" in row["calibration"]
+
+
+def test_calibrate_cli_relearns_for_the_budget(tmp_path):
+    """--budget-relearn: the budget's choice (segment, per-layer quantisers) stays that of the
+    run without it (same recorded errors), the rotations are trained again (orthogonal, not
+    the first ones) and the artifact serves `oscar eval`."""
+    from oscar_jax.models import cli, registry
+
+    for module in cli.COMMAND_MODULES:
+        __import__(module)
+    model = _tiny_with_tokenizer(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 24)
+    common = ["calibrate", "--model", str(model), "--text", str(text), "--tokens", "256", "--heldout-tokens", "128",
+              "--seq-len", "64", "--sink", "4", "--window", "8", "--rotation-k", "learned", "--rotation-v", "learned",
+              "--learn-steps", "2", "--learn-rate", "0.01", "--target-bpe", "6.5", "--budget-candidates", "2,2:8,4",
+              "--budget-context", "64", "--budget-segments", "4+8,2+16", "--budget-chunk", "4"]
+    first, again = tmp_path / "a.json", tmp_path / "b.json"
+    for extra, report in (([], first), (["--budget-relearn", "--budget-measured", str(first)], again)):
+        result = CliRunner().invoke(cli.app, [*common, *extra, "--json", str(report),
+                                              "--out", str(report.with_suffix(""))])
+        assert result.exit_code == 0, result.output
+    assert "from the budget" in " ".join(result.output.split())
+    rows = [next(r for r in json.loads(p.read_text())["rows"] if r.get("variant") == "budget") for p in (first, again)]
+    assert [r["relearned"] for r in rows] == [False, True]
+    assert all(rows[0][key] == rows[1][key] for key in ("picked", "sink", "window", "layer_errors", "bpe"))
+    decoder, _ = registry.load(str(model))
+    (p0, m0), (p1, m1) = (artifact.load_for_model(p.with_suffix(""), model_cfg=decoder.cfg) for p in (first, again))
+    assert (m1.sink, m1.window, m1.rotation_k) == (m0.sink, m0.window, "learned")
+    rot = np.asarray(p1.rot_k, np.float64)
+    assert np.abs(np.einsum("lhki,lhkj->lhij", rot, rot) - np.eye(32)).max() < 1e-6
+    assert np.abs(rot - np.asarray(p0.rot_k, np.float64)).max() > 1e-4
+    result = CliRunner().invoke(cli.app, ["eval", "--model", str(model), "--text", str(text), "--rotations",
+                                          str(again.with_suffix("")), "--kv", "oscar", "--context", "64", "--chunk",
+                                          "4", "--tokens", "128", "--json", str(tmp_path / "eval.json")])
+    assert result.exit_code == 0, result.output
+    no_budget = common[:common.index("--target-bpe")]
+    not_learned = [("uhp" if a == "learned" else a) for a in common]
+    for argv in ([*no_budget, "--budget-relearn"], [*not_learned, "--budget-relearn"]):
+        result = CliRunner().invoke(cli.app, [*argv, "--out", str(tmp_path / "never")])
+        assert result.exit_code == 2 and "--budget-relearn: expected --target-bpe and a learned" in result.output
