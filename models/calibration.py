@@ -124,7 +124,8 @@ def calibrate(
                                                            "measuring them again"),
     budget_relearn: bool = typer.Option(False, help="--target-bpe with learned rotations: train them again, from "
                                                     "the first ones, for each layer's chosen quantiser and the "
-                                                    "chosen sink + window, then refit the clips"),
+                                                    "chosen sink + window, then refit the clips (the errors shown "
+                                                    "and recorded stay those the choice was made on)"),
     compare: str = typer.Option("", help="comma-separated variants whose held-aside errors to print: "
                                               "a rotation name (K and V) or K:V"),
     time_forward: bool = typer.Option(False, help="also time one plain forward over the same tokens"),
@@ -223,6 +224,9 @@ def calibrate(
     if budget_relearn and (target_bpe is None or not any(cal.RotationSpec.parse(r).kind == "learned"
                                                          for r in (rotation_k, rotation_v))):
         cli.fail("--budget-relearn: expected --target-bpe and a learned --rotation-k or --rotation-v")
+    if budget_relearn and max(s + w for s, w in segments) >= seq_len:
+        cli.fail(f"--budget-relearn: every --budget-segments sink + window must be below --seq-len {seq_len} "
+                 f"(learning trains on windows of --seq-len tokens)")
     held_windows = 2 if compare else 1
     if heldout_tokens < held_windows * seq_len:
         cli.fail(f"--heldout-tokens {heldout_tokens} must hold at least {held_windows} --seq-len {seq_len} "
@@ -263,10 +267,10 @@ def calibrate(
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("served output error {task.fields[loss]}"), TimeElapsedColumn())
         s, w = segment or (sink, window)
+        origin = learn_cfg.init if start is None else f"the budget: its quantisers, {s} + {w}"
         with Progress(*columns, console=console) as bar:
-            task = bar.add_task(f"learning K {rot_k}, V {rot_v} from "
-                                f"{learn_cfg.init if start is None else 'the budget: its quantisers, ' + f'{s} + {w}'}",
-                                total=learn_cfg.epochs * n_batches, loss="-")
+            task = bar.add_task(f"learning K {rot_k}, V {rot_v} from {origin}", total=learn_cfg.epochs * n_batches,
+                                loss="-")
             rotations = learn.learn_rotations(
                 run.stats, batches, rotation_k=rot_k, rotation_v=rot_v, quant_cfg=quant_cfg,
                 sink=s, window=w, config=learn_cfg, center_keys=center_keys, grid=grid,
@@ -324,10 +328,11 @@ def calibrate(
                         segment=(sink, window))
         t0 = time.perf_counter()
         used = list(dict.fromkeys(picked.tolist()))
-        result = budget.select([cal.calibrate(run.stats, run.heldout, rotation_k=again[0], rotation_v=again[1],
-                                              quant_cfg=candidates[j], clips=clips, grid=grid, softmax_scale=scale,
-                                              center_keys=center_keys) for j in used],
-                               np.array([used.index(j) for j in picked.tolist()]))
+        refit = budget.select([cal.calibrate(run.stats, run.heldout, rotation_k=again[0], rotation_v=again[1],
+                                             quant_cfg=candidates[j], clips=clips, grid=grid, softmax_scale=scale,
+                                             center_keys=center_keys) for j in used],
+                              np.array([used.index(j) for j in picked.tolist()]))
+        result = dataclasses.replace(refit, quant=result.quant)
         fit_s += time.perf_counter() - t0
     try:
         meta = artifact.save(out, result, model_name=str(model), config_hash=artifact.fingerprint(decoder.cfg),

@@ -281,8 +281,8 @@ def _update(params, opt_state, q, k, v, fixed, key, *, optimizer, cfg, sink, win
 def _layers(x, idx: np.ndarray):
     """Layers idx of statistics, a rotation or an array [L, ...]."""
     if isinstance(x, cal.Statistics):
-        return dataclasses.replace(x, query_cov=x.query_cov[idx], key_cov=x.key_cov[idx],
-                                   key_mean=x.key_mean[idx], value_cov=x.value_cov[idx])
+        return dataclasses.replace(x, **{f.name: getattr(x, f.name)[idx] for f in dataclasses.fields(x)
+                                         if isinstance(getattr(x, f.name), np.ndarray)})
     if isinstance(x, cal.Rotation):
         return cal.Rotation(x.rot[idx], x.dual[idx], x.eigenvalues[idx], x.spec)
     return x[idx]
@@ -304,9 +304,12 @@ def learn_rotations(stats: cal.Statistics, batches: Callable[[], Iterable], *,
     first batch (fit the final clips on the learned ones with `calibrate.calibrate`); sink,
     window: the bf16 segments the cache is served with; progress(losses [L]) is called after
     each batch. start: (rot_k, rot_v) [L, Hkv, D, D] to start from in place of the built
-    ones (e.g. rotations learned for another quantiser); layer_quant: one quantiser per layer
-    (a bit budget's), each layer trained with its own (default: quant_cfg everywhere).
-    Returns (rot_k, rot_v) [L, Hkv, D, D] (learned from an orthogonal init: orthogonal)."""
+    ones (e.g. rotations learned for another quantiser; with center_keys the key rotation
+    acts on centered keys; an untrained one is returned as given; a per-layer learned one
+    must be the same for every KV head); layer_quant: one quantiser per layer (a bit
+    budget's), each layer trained with its own, quant_cfg then unused (default: quant_cfg
+    everywhere). Returns (rot_k, rot_v) [L, Hkv, D, D] (learned from an orthogonal init:
+    orthogonal)."""
     specs = [cal.RotationSpec.parse(s) if isinstance(s, str) else s for s in (rotation_k, rotation_v)]
     train = tuple(w for w, s in zip("kv", specs) if s.kind == "learned")
     if not train:
@@ -317,12 +320,18 @@ def learn_rotations(stats: cal.Statistics, batches: Callable[[], Iterable], *,
     layer_quant = (quant_cfg,) * num_layers if layer_quant is None else tuple(layer_quant)
     if len(layer_quant) != num_layers:
         raise ValueError(f"layer_quant: {len(layer_quant)} quantisers, expected one per layer (L={num_layers})")
-    if start is not None and any(r.rot.shape != stats.query_cov.shape for r in start):
-        raise ValueError(f"start: rotations of shapes {[r.rot.shape for r in start]}, expected [L, Hkv, D, D] = "
-                         f"{stats.query_cov.shape}")
+    if start is not None:
+        if len(start) != 2 or any(r.rot.shape != stats.query_cov.shape or r.dual.shape != r.rot.shape for r in start):
+            raise ValueError(f"start: expected (rot_k, rot_v) with rot and dual [L, Hkv, D, D] = "
+                             f"{stats.query_cov.shape}")
+        for r, s in zip(start, specs):
+            if s.kind == "learned" and not s.per_head and not (r.rot == r.rot[:, :1]).all():
+                raise ValueError(f"start: a per-layer {s.name!r} rotation must be the same for every KV head")
     stats_c, _, k_shift = cal.centered(stats, None, center_keys)
     per_head = next(s.per_head for s in specs if s.kind == "learned")
     groups = {q: np.array([i for i, x in enumerate(layer_quant) if x == q]) for q in dict.fromkeys(layer_quant)}
+    if len(groups) == 1:  # every layer: no copy of the batches
+        groups = {layer_quant[0]: slice(None)}
     learners: dict[QuantConfig, RotationLearner] = {}
     for _ in range(config.epochs):
         for q, k, v in batches():
@@ -347,12 +356,13 @@ def learn_rotations(stats: cal.Statistics, batches: Callable[[], Iterable], *,
                 progress(losses)
     if not learners:
         raise ValueError("batches() yielded no calibration batch to learn from")
-    return tuple(_stitch([learners[cfg].rotations()[i] for cfg in groups], list(groups.values()), num_layers)
-                 for i in range(2))
+    learned = [learners[cfg].rotations() for cfg in groups]
+    return tuple(_stitch([pair[i] for pair in learned], list(groups.values()), num_layers) for i in range(2))
 
 
-def _stitch(parts: Sequence[cal.Rotation], indices: Sequence[np.ndarray], num_layers: int) -> cal.Rotation:
-    """Rotations of layer groups (parts[j] for layers indices[j]) -> one [L, ...] rotation."""
+def _stitch(parts: Sequence[cal.Rotation], indices: Sequence, num_layers: int) -> cal.Rotation:
+    """Rotations of layer groups (parts[j] for layers indices[j]: indices or a slice) -> one
+    [L, ...] rotation."""
     out = {}
     for field in ("rot", "dual", "eigenvalues"):
         first = getattr(parts[0], field)

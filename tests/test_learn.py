@@ -2,6 +2,7 @@
 quantiser, the served attention-output error against a float64 loop, training that lowers
 the held-aside error, the artifact and `oscar calibrate --rotation-k learned` end to end."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -201,9 +202,13 @@ def test_per_layer_quantisers_train_each_layer_group_as_alone():
             np.testing.assert_array_equal(got.rot[idx], want.rot)
             np.testing.assert_array_equal(got.dual[idx], want.dual)
     built = cal.centered(st, None, True)[0]
-    start = cal.rotation_for(built, "k", "uhp/head"), cal.rotation_for(st, "v", "uhp/head")
-    for got, want in zip(run(st, batches, two, start=start), run(st, batches, two)):
-        np.testing.assert_array_equal(got.rot, want.rot)
+    start = cal.rotation_for(built, "k", "hadamard/head"), cal.rotation_for(st, "v", "u/head")
+    from_start = run(st, batches, two, start=start)
+    hadamard = learn.learn_rotations(st, batches, rotation_k="learned/head", rotation_v="u/head", quant_cfg=two,
+                                     sink=2, window=8, config=dataclasses.replace(config, init="hadamard"),
+                                     center_keys=True, grid=(0.8, 1.0))
+    np.testing.assert_array_equal(from_start[0].rot, hadamard[0].rot)
+    np.testing.assert_array_equal(from_start[1].rot, start[1].rot)  # untrained: as given
     with pytest.raises(ValueError, match="one per layer"):
         run(st, batches, two, layer_quant=layer_quant[:-1])
 
@@ -337,6 +342,8 @@ def test_calibrate_cli_relearns_for_the_budget(tmp_path):
     decoder, _ = registry.load(str(model))
     (p0, m0), (p1, m1) = (artifact.load_for_model(p.with_suffix(""), model_cfg=decoder.cfg) for p in (first, again))
     assert (m1.sink, m1.window, m1.rotation_k) == (m0.sink, m0.window, "learned")
+    quants = [cli.load_calibration(p.with_suffix(""), decoder.cfg).layer_quant for p in (first, again)]
+    assert quants[0] == quants[1] and len(set(quants[0])) > 1
     rot = np.asarray(p1.rot_k, np.float64)
     assert np.abs(np.einsum("lhki,lhkj->lhij", rot, rot) - np.eye(32)).max() < 1e-6
     assert np.abs(rot - np.asarray(p0.rot_k, np.float64)).max() > 1e-4
