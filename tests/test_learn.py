@@ -183,7 +183,9 @@ def test_learning_from_the_error_shaped_rotation():
 def test_per_layer_quantisers_train_each_layer_group_as_alone():
     """layer_quant (a bit budget's): each group of layers sharing a quantiser comes out bit for
     bit as those layers learned alone with that quantiser (the group's statistics and
-    activations only); `start` at the built U·H·P rotations equals learning from U·H·P."""
+    activations only); `start` at the built Hadamard rotations equals learning from
+    init="hadamard" (so `start` is used, not the default U·H·P), and an untrained partner in
+    `start` comes back as given."""
     rng = np.random.default_rng(6)
     q, k, v = _outlier_draw(rng, 4)
     st = cal.statistics(stream(q, k, v))
