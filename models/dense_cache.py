@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from oscar_jax import quant
 from oscar_jax.config import QuantConfig
+from oscar_jax.pallas_kernels.gpu import dense_decode
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -39,8 +40,9 @@ class DenseCache:
     float8 only: k_scale, v_scale float32 [B, Hkv]; the cache holds e4m3(clip(x / scale,
     ±448)) and attention reads stored * scale (`fp8_scale` says how the scale is set).
     `window` (sliding layers) limits what a query sees to its last `window` positions.
-    `implementation` of attention: "cudnn" (flash attention), "xla" or "auto" (cuDNN where
-    `cudnn_supported`, else XLA)."""
+    `implementation` of attention: "cudnn" (flash attention), "xla" or "auto" (on a GPU, decode
+    over float8 on the Triton kernel where `fp8_kernel_applies`; cuDNN where `cudnn_supported`;
+    else XLA)."""
 
     k: jax.Array
     v: jax.Array
@@ -177,6 +179,15 @@ def cudnn_supported(layer, queries: int) -> bool:
             and layer.k.dtype in dtypes and d <= 256 and d % 8 == 0)
 
 
+def fp8_kernel_applies(layer, q_heads: int, queries: int, backend: str | None = None) -> bool:
+    """Whether decode attention (one query) runs on the Triton float8 kernel
+    (`pallas_kernels.gpu.dense_decode`): "auto" on a GPU, a float8 cache without a sliding
+    window, shapes the kernel takes."""
+    return ((backend or jax.default_backend()) == "gpu" and isinstance(layer, DenseCache) and queries == 1
+            and layer.implementation == "auto" and layer.k.dtype == FP8 and layer.window is None
+            and dense_decode.supports(layer.k.shape[-1], q_heads, layer.k.shape[2]))
+
+
 def _use_cudnn(layer, queries: int) -> bool:
     """Whether this call runs on cuDNN: "auto" where supported; "cudnn" must be supported."""
     impl = getattr(layer, "implementation", "auto")
@@ -209,6 +220,10 @@ def append_attend(layer: DenseCache | KiviCache, q: jax.Array, k: jax.Array, v: 
     layer = dataclasses.replace(layer, k=put(layer.k, k, k_scale), v=put(layer.v, v, v_scale), lengths=n + c)
     if isinstance(layer, KiviCache):
         layer = _kivi_refresh(layer, layer.quantised_length(n))
+    if fp8_kernel_applies(layer, q.shape[2], c):
+        o = dense_decode.fp8_decode(q[:, 0], layer.k, layer.v, k_scale, v_scale, jnp.minimum(n + c, t_max),
+                                    softmax_scale=softmax_scale)
+        return o[:, None].astype(q.dtype), layer
     kp = jnp.arange(t_max)[None, None, :]
     mask = kp <= pos[..., None]  # [B, C, T]
     if _use_cudnn(layer, c):  # a chunk's queries see the cache bottom-right causally: masked

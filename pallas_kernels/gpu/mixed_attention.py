@@ -172,7 +172,7 @@ def f32_dot(a, b, contract_b: int, exact_f32: bool):
                            precision=lax.Precision.HIGHEST if exact_f32 else None)
 
 
-def _online_update(state, scores, values_fn):
+def online_update(state, scores, values_fn):
     """One online-softmax step. scores: f32 [BM, N] (masked with -inf); values_fn(p)
     -> list (per group) of f32 [BM, G] to add to the accumulators."""
     m, l, acc = state
@@ -290,7 +290,7 @@ def _kernel(lengths_ref, table_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, 
                     out.append(acc)
                 return out
 
-            return _online_update(state, scores, values)
+            return online_update(state, scores, values)
 
         finish(lax.fori_loop(0, steps, step, init()))
 
@@ -315,7 +315,7 @@ def _kernel(lengths_ref, table_ref, q_ref, sink_k_ref, sink_v_ref, codes_k_ref, 
                                                mask=row_ok[:, None], other=0), 0, interpret)
                             for gi in range(num_groups)]
 
-                return _online_update(state, s, values)
+                return online_update(state, s, values)
 
             return lax.fori_loop(0, (count + bd - 1) // bd, step, state)
 
