@@ -181,11 +181,12 @@ def cudnn_supported(layer, queries: int) -> bool:
 
 def fp8_kernel_applies(layer, q_heads: int, queries: int, backend: str | None = None) -> bool:
     """Whether decode attention (one query) runs on the Triton float8 kernel
-    (`pallas_kernels.gpu.dense_decode`): "auto" on a GPU, a float8 cache without a sliding
-    window, shapes the kernel takes."""
+    (`pallas_kernels.gpu.dense_decode`): "auto" on an sm_89+ GPU, a float8 cache without a
+    sliding window, shapes the kernel takes."""
     return ((backend or jax.default_backend()) == "gpu" and isinstance(layer, DenseCache) and queries == 1
             and layer.implementation == "auto" and layer.k.dtype == FP8 and layer.window is None
-            and dense_decode.supports(layer.k.shape[-1], q_heads, layer.k.shape[2]))
+            and dense_decode.supports(layer.k.shape[-1], q_heads, layer.k.shape[2])
+            and dense_decode.device_supported())
 
 
 def _use_cudnn(layer, queries: int) -> bool:

@@ -54,6 +54,7 @@ def _oracle(q, k, v, k_scale, v_scale, lengths, softmax_scale):
     (3, 300, 2, 64, 4, 32, 24, 0),    # several splits, a partial last tile
     (2, 96, 1, 128, 8, 16, 1, 1),     # one split a row
     (4, 130, 2, 64, 1, 64, 512, 2),   # g = 1, splits of one tile
+    (2, 200, 1, 256, 16, 32, 8, 4),   # D = 256, g = 16 (a query block without padding)
 ])
 def test_fp8_decode_matches_numpy_softmax_over_stored_times_scale(b, t, hkv, d, g, block_t, target, seed):
     """Ragged lengths (0, 1, T and random) across splits and partial tiles."""
@@ -67,6 +68,30 @@ def test_fp8_decode_matches_numpy_softmax_over_stored_times_scale(b, t, hkv, d, 
     got = np.asarray(got)
     assert np.linalg.norm(got - want) <= 5e-3 * np.linalg.norm(want)
     np.testing.assert_array_equal(got[lengths == 0], 0.0)
+
+
+def test_append_attend_through_the_kernel_equals_the_xla_path(monkeypatch):
+    """`append_attend` with the kernel taken (interpret mode) against the cache's XLA path: the
+    token appended first, each row's length + 1 attended, a row at capacity (its append dropped)
+    attending its T tokens."""
+    rng = np.random.default_rng(7)
+    b, t, hkv, d, g = 3, 64, 2, 64, 4
+    _, k, v, k_scale, v_scale = _case(rng, b, t, hkv, d, g)
+    lengths = np.array([0, 37, t], np.int32)
+    layer = dense_cache.DenseCache(*map(jnp.asarray, (k, v, lengths, k_scale, v_scale)))
+    q = jnp.asarray(rng.standard_normal((b, 1, hkv * g, d)), jnp.bfloat16)
+    new = [jnp.asarray(rng.standard_normal((b, 1, hkv, d)), jnp.float32) for _ in range(2)]
+    want, want_layer = dense_cache.append_attend(dataclasses.replace(layer, implementation="xla"), q, *new, 0.125)
+    kernel = dense_decode.fp8_decode
+    monkeypatch.setattr(dense_cache, "fp8_kernel_applies", lambda *a: True)
+    monkeypatch.setattr(dense_decode, "fp8_decode", lambda *a, **kw: kernel(*a, **kw, interpret=True))
+    got, got_layer = dense_cache.append_attend(layer, q, *new, 0.125)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    for name in ("k", "v", "lengths"):
+        np.testing.assert_array_equal(np.asarray(getattr(got_layer, name)).view(np.uint8),
+                                      np.asarray(getattr(want_layer, name)).view(np.uint8))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
 def test_fp8_decode_refuses_what_it_cannot_take():

@@ -37,7 +37,7 @@ class BlockSizes:
     grid has about this many programs (each split at least one tile)."""
 
     block_t: int = 128
-    target_programs: int = 4096
+    target_programs: int = 1024
     num_warps: int = 4
     num_stages: int = 3
 
@@ -49,6 +49,14 @@ class BlockSizes:
 def supports(head_dim: int, q_heads: int, kv_heads: int) -> bool:
     """Shapes the kernel takes: D in {64, 128, 256}, g = Hq / Hkv a whole number <= 16."""
     return head_dim in (64, 128, 256) and q_heads % kv_heads == 0 and q_heads // kv_heads <= 16
+
+
+def device_supported() -> bool:
+    """Whether the default device, where it is a GPU, converts float8 in Triton: sm_89 or newer.
+    Off a GPU (interpret mode, lowering for CUDA) True."""
+    device = jax.devices()[0]
+    cc = getattr(device, "compute_capability", None)
+    return device.platform != "gpu" or (cc is not None and tuple(map(int, cc.split("."))) >= (8, 9))
 
 
 def _pad_pow2(x: jax.Array) -> jax.Array:
@@ -63,7 +71,7 @@ def _kernel(lengths_ref, qk_scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, h
     n = lengths_ref[b]
     qk_scale = qk_scale_ref[b * hkv + h]
     t_begin = s * split_tokens
-    t_end = jnp.minimum(t_begin + split_tokens, n)
+    t_end = jnp.minimum(t_begin + split_tokens, jnp.minimum(n, k_ref.shape[1]))
     steps = jnp.maximum(t_end - t_begin + block_t - 1, 0) // block_t
     q = q_ref[...]
 
@@ -93,7 +101,7 @@ def fp8_decode(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array, v_s
 
     q [B, Hq, D] (bf16 or f32; enters the MMA in bf16); k, v float8_e4m3fn [B, T, Hkv, D];
     k_scale, v_scale f32 [B, Hkv] (the cache holds x / scale); lengths int32 [B] (<= T; 0 gives
-    zeros). Returns o f32 [B, Hq, D] = softmax(q·(k·k_scale)ᵀ·softmax_scale)·(v·v_scale).
+    zeros; lengths past T count as T). Returns o f32 [B, Hq, D] = softmax(q·(k·k_scale)ᵀ·softmax_scale)·(v·v_scale).
     """
     b, hq, d = q.shape
     _, t, hkv, _ = k.shape
