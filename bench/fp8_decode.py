@@ -1,5 +1,5 @@
 """One decode step's attention over one layer's dense cache at serving shapes: float8 through the
-Triton kernel (`dense_cache` "auto" on a GPU) and through XLA ("xla"), bf16 through cuDNN, each
+Triton kernel (`dense_cache` "pallas" on a GPU) and through XLA ("xla"), bf16 through cuDNN, each
 timed as `dense_cache.append_attend` (append the token, attend) in one jitted call.
 
     python bench/fp8_decode.py --shapes 22x20480,11x20480 --capacity 34816 --out bench/results/<device>/fp8_decode.json
@@ -50,13 +50,13 @@ def main(shapes: str = typer.Option("22x20480,11x20480", help="BATCHxHELD, comma
         q = jnp.asarray(rng.standard_normal((batch, 1, q_heads, head_dim)), jnp.bfloat16)
         new = [jnp.asarray(rng.standard_normal((batch, 1, kv_heads, head_dim)), jnp.bfloat16) for _ in "kv"]
         step = jax.jit(lambda layer: dense_cache.append_attend(layer, q, *new, head_dim ** -0.5)[0])
-        for kv, dtype, impls in (("fp8", dense_cache.FP8, ("auto", "xla")), ("bf16", jnp.bfloat16, ("auto",))):
+        for kv, dtype, impls in (("fp8", dense_cache.FP8, ("pallas", "xla")), ("bf16", jnp.bfloat16, ("auto",))):
             layer = _layer(jax.random.key(batch), dtype, batch, held, capacity, kv_heads, head_dim)
             for impl in impls:
-                ms = _ms(step, dataclasses.replace(layer, implementation=impl), reps)
+                layer = dataclasses.replace(layer, implementation=impl)
+                ms = _ms(step, layer, reps)
                 kernel = "kernel" if dense_cache.fp8_kernel_applies(layer, q_heads, 1) else "xla"
-                name = {"fp8": kernel if impl == "auto" else "xla", "bf16": "cudnn" if dense_cache.cudnn_supported(
-                    layer, 1) else "xla"}[kv]
+                name = {"fp8": kernel, "bf16": "cudnn" if dense_cache.cudnn_supported(layer, 1) else "xla"}[kv]
                 held_bytes = 2 * batch * (held + 1) * kv_heads * head_dim * jnp.dtype(dtype).itemsize
                 rows.append({"kv": kv, "implementation": name, "batch": batch, "held": held, "capacity": capacity,
                              "kv_heads": kv_heads, "q_heads": q_heads, "head_dim": head_dim,

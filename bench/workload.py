@@ -111,6 +111,8 @@ def engine_for(model, cfg, kv: str, prefix: bool, args, max_len: int, shortest: 
     the shortest prompt (whole-prompt prefills are bucketed from there)."""
     tiny = args.model == "tiny"
     policy = TINY_OSCAR if tiny and kv == "oscar" else kv_policy.make_policy(kv)
+    if kv in args.decode_attention:
+        policy = kv_policy.with_implementation(policy, args.decode_attention[kv])
     page = max(16, round(args.page_tokens * args.scale)) if tiny else args.page_tokens
     chunk = None if args.whole_prompts and not prefix else page
     budget = args.kv_gib * 2**30
@@ -208,6 +210,14 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _per_kv(text: str) -> dict[str, str]:
+    """"KV=NAME,..." -> {KV: NAME}, else argparse's error naming the option."""
+    pairs = [item.split("=") for item in text.split(",") if item]
+    if any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KV=IMPLEMENTATION pairs, comma-separated")
+    return dict(pairs)
+
+
 def _range(text: str) -> tuple[int, int]:
     """"LO,HI" -> (LO, HI) with 1 <= LO <= HI, else argparse's error naming the option."""
     try:
@@ -240,6 +250,11 @@ def _check_args(p: argparse.ArgumentParser, args, modes: dict) -> None:
         p.error(f"--kv {args.kv!r}: expected comma-separated names from {', '.join(kv_policy.POLICIES)}")
     if args.dtype not in ("bfloat16", "float32"):
         p.error(f"--dtype {args.dtype!r}: expected bfloat16 or float32")
+    for kv, name in args.decode_attention.items():
+        try:
+            kv_policy.with_implementation(kv_policy.make_policy(kv), name)
+        except ValueError as e:
+            p.error(f"--decode-attention {kv}={name}: {e}")
     problem = unwritable(args.out, "--out")
     if problem:
         p.error(problem)
@@ -271,6 +286,9 @@ def main(argv=None) -> None:
     p.add_argument("--chunk-attention", default=None,
                    help="attention implementation of the prefill chunks (default: cudnn for oscar on a GPU, "
                         "else the cache's, as decode)")
+    p.add_argument("--decode-attention", type=_per_kv, default={},
+                   help="KV=IMPLEMENTATION,...: a policy's attention other than 'auto' (e.g. fp8=pallas, the "
+                        "Triton float8 decode kernel)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations: bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-up-only", action="store_true",
@@ -307,7 +325,8 @@ def main(argv=None) -> None:
                        rate_per_s=args.rate, scale=args.scale, shared_prefix=shared_len, shared_requests=shared,
                        kv_gib=args.kv_gib, prefill_chunk=engine.chunk, chunks_per_step=args.chunks_per_step,
                        max_prefills=args.max_prefills, decode_steps=args.decode_steps,
-                       chunk_attention=engine.chunk_attention or "policy")
+                       chunk_attention=engine.chunk_attention or "policy",
+                       decode_attention=args.decode_attention.get(kv, "auto"))
             rows.append(row)
             f = lambda x: "-" if x is None else f"{x:.2f}"
             print(f"{kv:6s} prefix {mode:3s}: {row['requests_per_s']:.3f} req/s, {row['output_tokens_per_s']:.1f} "

@@ -25,7 +25,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # prompt's amax lands at 200 (keys) / 100 (values) of 448, leaving headroom for later tokens.
 FP8_AMAX_TO = {"k": 200.0, "v": 100.0}
 _HI = jax.lax.Precision.HIGHEST
-IMPLEMENTATIONS = ("auto", "cudnn", "xla")
+IMPLEMENTATIONS = ("auto", "cudnn", "xla", "pallas")
 
 
 def _static(default=dataclasses.MISSING):
@@ -40,9 +40,9 @@ class DenseCache:
     float8 only: k_scale, v_scale float32 [B, Hkv]; the cache holds e4m3(clip(x / scale,
     ±448)) and attention reads stored * scale (`fp8_scale` says how the scale is set).
     `window` (sliding layers) limits what a query sees to its last `window` positions.
-    `implementation` of attention: "cudnn" (flash attention), "xla" or "auto" (on a GPU, decode
-    over float8 on the Triton kernel where `fp8_kernel_applies`; cuDNN where `cudnn_supported`;
-    else XLA)."""
+    `implementation` of attention: "cudnn" (flash attention), "xla", "auto" (cuDNN where
+    `cudnn_supported`, else XLA) or "pallas" (decode over float8 on the Triton kernel where
+    `fp8_kernel_applies`, else as "auto"; opt-in until it has run compiled on a GPU)."""
 
     k: jax.Array
     v: jax.Array
@@ -181,10 +181,10 @@ def cudnn_supported(layer, queries: int) -> bool:
 
 def fp8_kernel_applies(layer, q_heads: int, queries: int, backend: str | None = None) -> bool:
     """Whether decode attention (one query) runs on the Triton float8 kernel
-    (`pallas_kernels.gpu.dense_decode`): "auto" on an sm_89+ GPU, a float8 cache without a
+    (`pallas_kernels.gpu.dense_decode`): "pallas" on an sm_89+ GPU, a float8 cache without a
     sliding window, shapes the kernel takes."""
     return ((backend or jax.default_backend()) == "gpu" and isinstance(layer, DenseCache) and queries == 1
-            and layer.implementation == "auto" and layer.k.dtype == FP8 and layer.window is None
+            and layer.implementation == "pallas" and layer.k.dtype == FP8 and layer.window is None
             and dense_decode.supports(layer.k.shape[-1], q_heads, layer.k.shape[2])
             and dense_decode.device_supported())
 

@@ -159,7 +159,7 @@ class DensePolicy:
     scales, see `dense_cache.fp8_scale`) for every layer; no sink, no window."""
 
     dtype: str = "bfloat16"
-    implementation: str = "auto"  # attention: "auto", "cudnn" or "xla" (`dense_cache`)
+    implementation: str = "auto"  # attention: "auto", "cudnn", "xla" or "pallas" (`dense_cache`)
 
     def __post_init__(self):
         if self.implementation not in dense_cache.IMPLEMENTATIONS:

@@ -359,6 +359,9 @@ def test_generate_api_refuses_before_jit(call, match):
     (["--max-prefills", "0"], "--max-prefills"),
     (["--kv", "bf16,nope"], "--kv"),
     (["--dtype", "nope"], "--dtype"),
+    (["--decode-attention", "fp8"], "--decode-attention"),
+    (["--decode-attention", "fp8=nope"], "--decode-attention"),
+    (["--decode-attention", "nope=xla"], "--decode-attention"),
     (["--out", "{root}/existing"], "--out"),
     (["--out", "/proc/oscar_test.json"], "--out"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)

@@ -1,6 +1,6 @@
 """The Triton decode kernel over a float8 dense cache (`pallas_kernels.gpu.dense_decode`) against
 numpy softmax attention over stored · scale, in interpret mode on the CPU; its Triton lowering
-for sm_90 without a GPU; where the dense cache's "auto" takes it; and, marked `gpu_triton`,
+for sm_90 without a GPU; where the dense cache's "pallas" takes it; and, marked `gpu_triton`,
 compiled on a GPU through `dense_cache.append_attend` against the cache's XLA path:
 
     pytest -p no:cacheprovider -n 0 -m gpu_triton tests/test_fp8_decode.py
@@ -120,28 +120,28 @@ def test_fp8_decode_lowers_for_cuda():
     lower_for_h200(lambda *a: dense_decode.fp8_decode(*a, softmax_scale=d ** -0.5), args)
 
 
-def test_auto_takes_the_kernel_for_float8_decode_on_a_gpu_only():
-    layer = dense_cache.DenseCache.init(2, 2, 64, 32, dense_cache.FP8)
+def test_pallas_takes_the_kernel_for_float8_decode_on_a_gpu_only():
+    layer = dense_cache.DenseCache.init(2, 2, 64, 32, dense_cache.FP8, implementation="pallas")
     assert dense_cache.fp8_kernel_applies(layer, 8, 1, "gpu")
     for other, q_heads, queries, backend in (
             (layer, 8, 1, "cpu"), (layer, 8, 1, "tpu"), (layer, 8, 4, "gpu"), (layer, 64, 1, "gpu"),
-            (dataclasses.replace(layer, implementation="xla"), 8, 1, "gpu"),
+            *((dataclasses.replace(layer, implementation=name), 8, 1, "gpu") for name in ("auto", "xla", "cudnn")),
             (dataclasses.replace(layer, window=16), 8, 1, "gpu"),
-            (dense_cache.DenseCache.init(2, 2, 64, 32, jnp.bfloat16), 8, 1, "gpu"),
-            (dense_cache.DenseCache.init(2, 2, 48, 32, dense_cache.FP8), 8, 1, "gpu")):
+            (dense_cache.DenseCache.init(2, 2, 64, 32, jnp.bfloat16, implementation="pallas"), 8, 1, "gpu"),
+            (dense_cache.DenseCache.init(2, 2, 48, 32, dense_cache.FP8, implementation="pallas"), 8, 1, "gpu")):
         assert not dense_cache.fp8_kernel_applies(other, q_heads, queries, backend)
 
 
 @on_gpu("gpu_triton")
 @pytest.mark.parametrize("b,t,g", [(5, 4096, 4), (2, 20000, 8)])
 def test_fp8_decode_on_gpu_equals_the_xla_path(b, t, g):
-    """Compiled on a GPU: a decode step over a float8 cache through `append_attend` with "auto"
+    """Compiled on a GPU: a decode step over a float8 cache through `append_attend` with "pallas"
     (the kernel) against "xla", at ragged lengths, D = 128."""
     rng = np.random.default_rng(b)
     hkv, d = 8, 128
     q, k, v, k_scale, v_scale = _case(rng, b, t, hkv, d, g)
     lengths = rng.integers(1, t - 1, b).astype(np.int32)
-    layer = dense_cache.DenseCache(*map(jnp.asarray, (k, v, lengths, k_scale, v_scale)))
+    layer = dense_cache.DenseCache(*map(jnp.asarray, (k, v, lengths, k_scale, v_scale)), implementation="pallas")
     new = [jnp.asarray(rng.standard_normal((b, 1, hkv, d)), jnp.bfloat16) for _ in range(2)]
     q = jnp.asarray(q[:, None], jnp.bfloat16)
     step = jax.jit(lambda layer: dense_cache.append_attend(layer, q, *new, d ** -0.5))

@@ -204,7 +204,7 @@ def test_chunk_attention_picks_the_extend_chunks_implementation_only():
     default.run()
     assert all(chosen.results[i] == default.results[j] for i, j in ids)
     for pol, name, choices in ((policy, "triton", "auto, xla, pallas, pallas_mosaic_gpu, pallas_tpu, cudnn"),
-                               (POLICIES["fp8"], "pallas", "auto, cudnn, xla"),
+                               (POLICIES["fp8"], "triton", "auto, cudnn, xla, pallas"),
                                (kv_policy.make_policy("kivi"), "xla", "no implementation choice")):
         with pytest.raises(ValueError, match=f"implementation={name!r}: policy .* takes {choices}"):
             Engine(model, pol, slots=SLOTS, max_len=MAX_LEN, page_tokens=PAGE, chunk_attention=name)
