@@ -404,7 +404,7 @@ def test_workload_engines_stay_within_the_workload(monkeypatch):
     monkeypatch.setattr(workload, "Engine", lambda model, policy, **kw: made.update(kw) or kw)
     args = workload.argparse.Namespace(model="tiny", page_tokens=256, scale=1.0, whole_prompts=False, kv_gib=48.0,
                                        oscar_slots=64, requests=4, chunks_per_step=1, max_prefills=1,
-                                       decode_steps=8, chunk_attention=None)
+                                       decode_steps=8, chunk_attention=None, decode_attention={})
     for kv in ("bf16", "oscar"):
         workload.engine_for(None, workload.TINY, kv, True, args, max_len=100, shortest=8)
         assert made["slots"] <= 4, (kv, made["slots"])
