@@ -1,6 +1,7 @@
 """One decode step's attention over one layer's dense cache at serving shapes: float8 through the
-Triton kernel (`dense_cache` "pallas" on a GPU) and through XLA ("xla"), bf16 through cuDNN, each
-timed as `dense_cache.append_attend` (append the token, attend) in one jitted call.
+Triton kernel (`dense_cache` "auto" on a GPU) and through XLA ("xla"), bf16 through cuDNN, each
+timed as `dense_cache.append_attend` (append the token in place, attend) in one jitted call that
+takes the layer donated, as the decoder's step does.
 
     python bench/fp8_decode.py --shapes 22x20480,11x20480 --capacity 34816 --out bench/results/<device>/fp8_decode.json
 
@@ -29,12 +30,13 @@ def _layer(key, dtype, batch, held, capacity, hkv, d):
 
 
 def _ms(fn, layer, reps):
-    out = fn(layer)
-    jax.block_until_ready(out)
+    """Median ms of `fn(layer) -> (o, layer)` with the layer donated and fed back (its rows grow
+    by one token a call)."""
+    o, layer = jax.block_until_ready(fn(layer))
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        jax.block_until_ready(fn(layer))
+        o, layer = jax.block_until_ready(fn(layer))
         times.append(time.perf_counter() - start)
     return 1e3 * float(np.median(times))
 
@@ -49,10 +51,10 @@ def main(shapes: str = typer.Option("22x20480,11x20480", help="BATCHxHELD, comma
         batch, held = map(int, shape.split("x"))
         q = jnp.asarray(rng.standard_normal((batch, 1, q_heads, head_dim)), jnp.bfloat16)
         new = [jnp.asarray(rng.standard_normal((batch, 1, kv_heads, head_dim)), jnp.bfloat16) for _ in "kv"]
-        step = jax.jit(lambda layer: dense_cache.append_attend(layer, q, *new, head_dim ** -0.5)[0])
-        for kv, dtype, impls in (("fp8", dense_cache.FP8, ("pallas", "xla")), ("bf16", jnp.bfloat16, ("auto",))):
-            layer = _layer(jax.random.key(batch), dtype, batch, held, capacity, kv_heads, head_dim)
+        step = jax.jit(lambda layer: dense_cache.append_attend(layer, q, *new, head_dim ** -0.5), donate_argnums=0)
+        for kv, dtype, impls in (("fp8", dense_cache.FP8, ("auto", "xla")), ("bf16", jnp.bfloat16, ("auto",))):
             for impl in impls:
+                layer = _layer(jax.random.key(batch), dtype, batch, held, capacity, kv_heads, head_dim)
                 layer = dataclasses.replace(layer, implementation=impl)
                 ms = _ms(step, layer, reps)
                 kernel = "kernel" if dense_cache.fp8_kernel_applies(layer, q_heads, 1) else "xla"

@@ -142,7 +142,7 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
     base = {k: getattr(engine, k) for k in ("prompt_tokens", "prefix_hit_tokens", "prefill_seconds",
                                             "decode_seconds", "decode_tokens", "decode_step_count", "preemptions")}
     first_rid = len(engine.requests)
-    arrival, first, finish, pages = {}, {}, {}, []
+    arrival, first, finish, pages, running = {}, {}, {}, [], []
     delivered, gaps = {}, []  # rid -> (tokens, seconds) at its last delivery; seconds between deliveries
     pending = list(requests)
     start = time.perf_counter()
@@ -157,6 +157,7 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
         engine.step()
         now = time.perf_counter() - start
         pages.append((now, engine.scheduler.pages_in_use()))
+        running.append((now, len(engine.scheduler.running)))
         for rid in arrival:
             result = engine.results[rid]
             if result.tokens and rid not in first:
@@ -191,21 +192,32 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
             "prefill_tokens_computed": d["prompt_tokens"] - d["prefix_hit_tokens"],
             "shared_prefix_tokens": shared * shared_len,
             "shared_prefix_restored": d["prefix_hit_tokens"] / (shared * shared_len) if shared else None,
-            "preemptions": d["preemptions"], "compiles_timed": None, "pages_in_use": pages}
+            "preemptions": d["preemptions"], "compiles_timed": None, "pages_in_use": pages,
+            "sequences_running": running}
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
+    """Pages in use (paged runs) and sequences holding a slot (runs that record them) against time;
+    no file where a record holds neither."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for r in rows:
-        if r["num_pages"]:
-            t, p = zip(*r["pages_in_use"]) if r["pages_in_use"] else ((), ())
-            ax.plot(t, p, label=f"{r['kv']}, prefix cache {'on' if r['prefix_cache'] else 'off'}")
-    ax.set(xlabel="seconds since the first arrival", ylabel="KV pages in use", title=title)
-    ax.legend()
+    series = [("pages_in_use", "KV pages in use", lambda r: r["num_pages"]),
+              ("sequences_running", "sequences holding a slot", lambda r: r.get("sequences_running"))]
+    series = [(key, label, has) for key, label, has in series if any(has(r) for r in rows)]
+    if not series:
+        return
+    fig, axes = plt.subplots(len(series), 1, figsize=(8, 3 * len(series) + 1), sharex=True, squeeze=False)
+    for ax, (key, label, has) in zip(axes[:, 0], series):
+        for r in rows:
+            if has(r):
+                t, y = zip(*r[key]) if r[key] else ((), ())
+                ax.plot(t, y, label=f"{r['kv']}, prefix cache {'on' if r['prefix_cache'] else 'off'}")
+        ax.set(ylabel=label)
+        ax.legend()
+    axes[0, 0].set(title=title)
+    axes[-1, 0].set(xlabel="seconds since the first arrival")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -41,8 +41,8 @@ class DenseCache:
     ±448)) and attention reads stored * scale (`fp8_scale` says how the scale is set).
     `window` (sliding layers) limits what a query sees to its last `window` positions.
     `implementation` of attention: "cudnn" (flash attention), "xla", "auto" (cuDNN where
-    `cudnn_supported`, else XLA) or "pallas" (decode over float8 on the Triton kernel where
-    `fp8_kernel_applies`, else as "auto"; opt-in until it has run compiled on a GPU)."""
+    `cudnn_supported`, else XLA; decode over float8 on the Triton kernel where
+    `fp8_kernel_applies`) or "pallas" (as "auto")."""
 
     k: jax.Array
     v: jax.Array
@@ -181,10 +181,10 @@ def cudnn_supported(layer, queries: int) -> bool:
 
 def fp8_kernel_applies(layer, q_heads: int, queries: int, backend: str | None = None) -> bool:
     """Whether decode attention (one query) runs on the Triton float8 kernel
-    (`pallas_kernels.gpu.dense_decode`): "pallas" on an sm_89+ GPU, a float8 cache without a
-    sliding window, shapes the kernel takes."""
+    (`pallas_kernels.gpu.dense_decode`): "auto" or "pallas" on an sm_89+ GPU, a float8 cache
+    without a sliding window, shapes the kernel takes."""
     return ((backend or jax.default_backend()) == "gpu" and isinstance(layer, DenseCache) and queries == 1
-            and layer.implementation == "pallas" and layer.k.dtype == FP8 and layer.window is None
+            and layer.implementation in ("auto", "pallas") and layer.k.dtype == FP8 and layer.window is None
             and dense_decode.supports(layer.k.shape[-1], q_heads, layer.k.shape[2])
             and dense_decode.device_supported())
 

@@ -253,8 +253,8 @@ def test_workload_budget_counts_every_byte_of_the_engines_cache(model_name, chun
 
 def test_workload_bench_runs_at_tiny_scale(tmp_path):
     """bench/workload.py on the tiny model: every request finishes, nothing compiles after the
-    warm-up, the prefix cache restores part of the shared prefix, pages in use are recorded;
-    with --warm-up-only it writes nothing."""
+    warm-up, the prefix cache restores part of the shared prefix, pages in use and sequences
+    holding a slot are recorded; with --warm-up-only it writes nothing."""
     workload = _workload_module()
     out = tmp_path / "w.json"
     argv = ["--model", "tiny", "--scale", "0.004", "--requests", "6", "--rate", "4", "--kv", "oscar", "--prefix-cache",
@@ -266,6 +266,8 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     assert 0 < row["prefix_hit_tokens"] <= row["shared_prefix_tokens"] and row["pages_in_use"]
     assert row["output_tokens"] >= 6 * 2 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
     assert 1 <= row["tokens_per_decode_step"] <= row["slots"]
+    running = [n for _, n in row["sequences_running"]]
+    assert len(running) == len(row["pages_in_use"]) and 0 < max(running) <= row["slots"] and min(running) >= 0
     assert 0 < row["delivery_gap_p50_s"] <= row["delivery_gap_p99_s"]
     assert out.with_suffix(".png").stat().st_size > 0
     only = tmp_path / "warm.json"  # both modes at the lengths above: the programs that run compiled
