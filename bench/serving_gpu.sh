@@ -7,6 +7,7 @@
 #   roofline-llama    bf16 and oscar at batch 1, 8, 32 (every cell that fits), 8K and 32K
 #   roofline-llama-128k the same at 128K, batch 1 and 8
 #   budget-qwen       bf16, oscar, fp8, int8 for the Qwen3-8B shape, 8K and 32K
+#   budget-qwen-128k  bf16 and oscar for the Qwen3-8B shape at 128K
 #   workload-KV-P     the Poisson workload through the engine (bench/workload.py, 1 request/s), KV one of
 #                     oscar, bf16, fp8, P the prefix cache: on or off
 #   prefill-chunks    extend chunks of 256 tokens at depths 1K-31K of a 32K prompt, Triton against cuDNN
@@ -44,6 +45,8 @@ for job in "$@"; do
         --batch 1,8 --ttft-kv none --steps 16 --out "bench/results/$dev/decode_roofline_llama3-8b_128k.json" ;;
     budget-qwen) oscar bench --model qwen3-8b --random-weights --kv bf16,oscar,fp8,int8 \
         --contexts 8K,32K --ttft-kv bf16,oscar --out "bench/results/$dev/serving_budget_qwen3-8b.json" ;;
+    budget-qwen-128k) oscar bench --model qwen3-8b --random-weights --kv bf16,oscar \
+        --contexts 128K --ttft-kv bf16,oscar --out "bench/results/$dev/serving_budget_qwen3-8b_128k.json" ;;
     workload-oscar-o[nf]*|workload-bf16-o[nf]*|workload-fp8-o[nf]*) w=${job#workload-}
         python3 bench/workload.py --kv "${w%-*}" --prefix-cache "${w##*-}" --rate 1 \
         --out "bench/results/$dev/workload_llama3-8b_${w%-*}_prefix-${w##*-}.json" ;;
