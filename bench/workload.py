@@ -299,8 +299,8 @@ def main(argv=None) -> None:
                    help="attention implementation of the prefill chunks (default: cudnn for oscar on a GPU, "
                         "else the cache's, as decode)")
     p.add_argument("--decode-attention", type=_per_kv, default={},
-                   help="KV=IMPLEMENTATION,...: a policy's attention other than 'auto' (e.g. fp8=pallas, the "
-                        "Triton float8 decode kernel)")
+                   help="KV=IMPLEMENTATION,...: a policy's attention other than 'auto' (e.g. fp8=xla: float8 "
+                        "decode in XLA instead of the Triton kernel)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations: bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-up-only", action="store_true",
