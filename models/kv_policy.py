@@ -445,14 +445,20 @@ def init_on_mesh(policy, cfg, batch: int, max_len: int, chunk: int, mesh: jax.sh
     the whole state first), its OSCAR layers appending and attending per device. Where the mesh
     repeats each KV head on several devices the state holds the repeated heads (`on_mesh`), one
     a device. Under a `seq` axis the capacity is rounded up so that the histories split evenly
-    (`seq_max_len`)."""
+    (`seq_max_len`). On several devices a float8 dense cache's "auto" becomes "xla": the Triton
+    float8 decode kernel has no partitioning rule, and GSPMD would gather its cache."""
     policy, cfg = on_mesh(policy, cfg, mesh)
     max_len = seq_max_len(policy, cfg, batch, max_len, chunk, mesh.shape.get(sharding.DEFAULT_RULES["seq"], 1))
     make = lambda: policy.init(cfg, batch, max_len, chunk)
     state = jax.jit(make, out_shardings=state_shardings(jax.eval_shape(make), mesh))()
-    layers = tuple(dataclasses.replace(layer, mesh=mesh) if isinstance(layer, OscarLayer) else layer
-                   for layer in state.layers)
-    return dataclasses.replace(state, layers=layers)
+    def placed(layer):
+        if isinstance(layer, OscarLayer):
+            return dataclasses.replace(layer, mesh=mesh)
+        if isinstance(layer, DenseCache) and layer.k.dtype == dense_cache.FP8 and layer.implementation == "auto" \
+                and mesh.size > 1:
+            return dataclasses.replace(layer, implementation="xla")
+        return layer
+    return dataclasses.replace(state, layers=tuple(map(placed, state.layers)))
 
 
 def nbytes(state: KVState) -> int:

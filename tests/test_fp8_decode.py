@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from gpu_cases import lower_for_h200, on_gpu
-from models import dense_cache
+from oscar_jax.models import dense_cache, kv_policy
+from oscar_jax.models.config import ModelConfig
 from oscar_jax.pallas_kernels.gpu import dense_decode
 
 FP8 = ml_dtypes.float8_e4m3fn
@@ -131,6 +133,22 @@ def test_auto_and_pallas_take_the_kernel_for_float8_decode_on_a_gpu_only():
             (dense_cache.DenseCache.init(2, 2, 64, 32, jnp.bfloat16, implementation="pallas"), 8, 1, "gpu"),
             (dense_cache.DenseCache.init(2, 2, 48, 32, dense_cache.FP8, implementation="pallas"), 8, 1, "gpu")):
         assert not dense_cache.fp8_kernel_applies(other, q_heads, queries, backend)
+
+
+def test_float8_state_on_a_mesh_of_several_devices_decodes_in_xla():
+    """The kernel has no SPMD partitioning rule (GSPMD would gather a sharded cache onto every
+    device): a float8 state made on a mesh of several devices keeps "auto" out of it ("xla");
+    on a one-device mesh, an explicit "pallas" and bf16 keep their implementation."""
+    cfg = ModelConfig(family="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, rms_eps=1e-6, rope_theta=1e4,
+                      layer_types=("full_attention",) * 2)
+    two, one = (Mesh(np.array(jax.devices()[:n]), ("data",)) for n in (2, 1))
+    impls = lambda name, mesh, **kw: {layer.implementation for layer in kv_policy.init_on_mesh(
+        kv_policy.make_policy(name, **kw), cfg, 2, 32, 8, mesh).layers}
+    assert impls("fp8", two) == {"xla"}
+    assert impls("fp8", one) == {"auto"}
+    assert impls("fp8", two, implementation="pallas") == {"pallas"}
+    assert impls("bf16", two) == {"auto"}
 
 
 @on_gpu("gpu_triton")
