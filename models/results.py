@@ -57,11 +57,19 @@ def commit() -> str:
         return UNRECORDED
 
 
+def command_line() -> str:
+    """This process's command line as typed: `python SCRIPT.py ARGS` for a script, a console
+    script (`oscar bench ...`) by its name."""
+    script = sys.argv[0]
+    head = ["python", script] if script.endswith(".py") else [os.path.basename(script)]
+    return " ".join([*head, *sys.argv[1:]])
+
+
 def record(rows: list[dict], command: str | None = None) -> dict:
     """A record of `rows` measured now on this process's device; `command` defaults to the
     process's own command line."""
     return {"device": device_kind(), "jax": jax.__version__, "commit": commit(),
-            "command": command if command is not None else " ".join(["python", *sys.argv]),
+            "command": command if command is not None else command_line(),
             "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "rows": rows}
 
 

@@ -26,6 +26,13 @@ def _bench_module(name: str):
     return module
 
 
+@pytest.mark.parametrize("argv,want", [(["bench/kernels.py", "--reps", "5"], "python bench/kernels.py --reps 5"),
+                                       (["/opt/venv/bin/oscar", "bench", "--kv", "bf16"], "oscar bench --kv bf16")])
+def test_record_names_the_command_as_typed(monkeypatch, argv, want):
+    monkeypatch.setattr("sys.argv", argv)
+    assert results.record([])["command"] == want
+
+
 def test_record_has_the_schema_and_round_trips(tmp_path, monkeypatch):
     monkeypatch.setenv("OSCAR_COMMIT", "abc1234")
     rec = results.record([{"shape": "b8-128k", "ms": 0.188}], "python bench/kernels.py")
