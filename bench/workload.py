@@ -198,7 +198,7 @@ def run(engine: Engine, requests: list[tuple[float, Request]], shared_len: int, 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
     """Pages in use (paged runs) and sequences holding a slot (runs that record them) against time;
-    no file where a record holds neither."""
+    no file (a stale one removed) where the rows hold neither."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -207,6 +207,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
               ("sequences_running", "sequences holding a slot", lambda r: r.get("sequences_running"))]
     series = [(key, label, has) for key, label, has in series if any(has(r) for r in rows)]
     if not series:
+        path.unlink(missing_ok=True)
         return
     fig, axes = plt.subplots(len(series), 1, figsize=(8, 3 * len(series) + 1), sharex=True, squeeze=False)
     for ax, (key, label, has) in zip(axes[:, 0], series):

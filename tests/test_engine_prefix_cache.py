@@ -275,6 +275,19 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     assert not only.exists()  # it warms up and stops
 
 
+def test_workload_plot_draws_what_the_rows_hold(tmp_path):
+    """bench/workload.plot: a dense run (no pages) with its sequences holding a slot gets a
+    figure; rows holding neither series leave none, a stale one removed."""
+    workload = _workload_module()
+    dense = {"kv": "bf16", "prefix_cache": True, "num_pages": 0, "pages_in_use": [(0.0, 0), (1.0, 0)],
+             "sequences_running": [(0.0, 1), (1.0, 3)]}
+    path = tmp_path / "w.png"
+    workload.plot([dense], "dense", path)
+    assert path.stat().st_size > 0
+    workload.plot([{k: v for k, v in dense.items() if k != "sequences_running"}], "nothing", path)
+    assert not path.exists()
+
+
 def results_rows(path) -> list[dict]:
     from oscar_jax.models import results
     return results.read(path)["rows"]
