@@ -32,6 +32,7 @@ from oscar_jax.models.cli import app, console
 from oscar_jax.models.decoder import Decoder, fold_values
 
 GIB = 2 ** 30
+NOT_RUN = "not run: the run stopped before this cell"  # the error of the cells a cut-off run left
 
 
 def copy_bandwidth(nbytes: int | None = None, reps: int = 20) -> float:
@@ -245,21 +246,24 @@ def bench_scheme(model: Decoder, name: str, policy, context: int, spec: BenchSpe
     return row
 
 
+def cells(spec: BenchSpec, schemes) -> list[tuple[int, str, int | None]]:
+    """The (context, scheme, batch) cells of a run, in the order `run` measures them."""
+    return [(context, name, batch) for context in spec.contexts for name in schemes
+            for batch in spec.batches or (None,)]
+
+
 def run(model: Decoder, policies: dict, spec: BenchSpec, progress=lambda row: None) -> list[dict]:
     """Every (scheme, context) row, with throughput relative to bf16 where bf16 ran."""
     bandwidth = copy_bandwidth()
     rows = []
-    for context in spec.contexts:
-        for name, policy in policies.items():
-            for batch in spec.batches or (None,):
-                try:
-                    row = bench_scheme(model, name, policy, context, spec, bandwidth, batch)
-                except Exception as e:  # a cell that does not fit or compile is reported, the rest run
-                    row = {"kv": name, "context": context, "batch": batch,
-                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
-                row["copy_GBps"] = bandwidth / 1e9
-                rows.append(row)
-                progress(row)
+    for context, name, batch in cells(spec, policies):
+        try:
+            row = bench_scheme(model, name, policies[name], context, spec, bandwidth, batch)
+        except Exception as e:  # a cell that does not fit or compile is reported, the rest run
+            row = {"kv": name, "context": context, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        row["copy_GBps"] = bandwidth / 1e9
+        rows.append(row)
+        progress(row)
     for row in rows:
         base = next((r for r in rows if r["kv"] == "bf16" and r["context"] == row["context"]
                      and (spec.batches is None or r["batch"] == row["batch"]) and "decode_tokens_per_s" in r), None)
@@ -379,13 +383,17 @@ def bench(
     done = []
     described = lambda r: {"model": label, "dtype": dtype, **({"mesh": mesh} if mesh else {}), **r}
 
+    planned = cells(spec, policies)
+
     def progress(r):  # print the row, and keep the file current should the run be cut off
         console.print(f"{r['kv']:>6} ctx {r['context']:>7}: " + (r.get("error") or (
             f"B={r['batch']} {r['tpot_p50_ms']:.2f} ms/token ({r['step_over_roofline']:.2f}x roofline), "
             f"{r['decode_tokens_per_s']:.0f} tok/s" + (f", TTFT {r['ttft_s']:.2f} s" if "ttft_s" in r else ""))),
             markup=False, highlight=False)
         done.append(described(r))
-        results.write(out, results.record(done))
+        left = [described({"kv": name, "context": c, "batch": b, "error": NOT_RUN})
+                for c, name, b in planned[len(done):]]
+        results.write(out, results.record(done + left))
 
     rows = [described(r) for r in run(decoder, policies, spec, progress=progress)]
     result = results.record(rows)

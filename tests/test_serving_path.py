@@ -206,6 +206,31 @@ def test_oscar_bench_cli_end_to_end(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_oscar_bench_file_of_a_cut_off_run_lists_the_cells_left(tmp_path, monkeypatch):
+    """A run stopped in its second cell leaves a file holding the first cell's row and every
+    later cell marked as not run, in the order the run takes them."""
+    from typer.testing import CliRunner
+
+    from oscar_jax.models import bench
+    from oscar_jax.models.cli import app, main  # noqa: F401  (main registers the commands)
+
+    def cell(model, name, policy, context, spec, bandwidth, batch):
+        if (name, context) != ("bf16", 256):
+            raise KeyboardInterrupt  # the run is stopped here
+        return {"kv": name, "context": context, "batch": 3, "tpot_p50_ms": 1.0, "step_over_roofline": 1.0,
+                "decode_tokens_per_s": 3000.0}
+
+    monkeypatch.setattr(bench, "bench_scheme", cell)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e11)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--model", "tests/fixtures/hf_tiny/llama3", "--kv", "bf16,oscar",
+                                      "--contexts", "256,512", "--dtype", "float32", "--out", str(out)])
+    assert result.exit_code != 0  # click aborts on the interrupt
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kv"], r["context"], r.get("error")) for r in rows] == [
+        ("bf16", 256, None), ("oscar", 256, bench.NOT_RUN), ("bf16", 512, bench.NOT_RUN), ("oscar", 512, bench.NOT_RUN)]
+
+
 def test_bench_shrinks_a_batch_whose_decode_loop_does_not_fit():
     """int8 attends in XLA, whose temporaries grow with the batch. Given a device whose memory
     holds the budget's batch of int8 states but not their compiled decode loop (the loop's
