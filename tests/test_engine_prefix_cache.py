@@ -267,7 +267,7 @@ def test_workload_bench_runs_at_tiny_scale(tmp_path):
     assert row["output_tokens"] >= 6 * 2 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0
     assert 1 <= row["tokens_per_decode_step"] <= row["slots"]
     running = [n for _, n in row["sequences_running"]]
-    assert len(running) == len(row["pages_in_use"]) and 0 < max(running) <= row["slots"] and min(running) >= 0
+    assert len(running) == len(row["pages_in_use"]) and 0 < max(running) <= row["slots"]
     assert 0 < row["delivery_gap_p50_s"] <= row["delivery_gap_p99_s"]
     assert out.with_suffix(".png").stat().st_size > 0
     only = tmp_path / "warm.json"  # both modes at the lengths above: the programs that run compiled
